@@ -1,0 +1,1 @@
+"""creation ops (being declared)."""

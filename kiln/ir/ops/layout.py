@@ -1,0 +1,1 @@
+"""layout ops (being declared)."""

@@ -1,0 +1,1 @@
+"""reduction ops (being declared)."""

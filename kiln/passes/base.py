@@ -1,0 +1,93 @@
+"""What a pass is: a named, registered, functional transformation ``Graph -> Graph``.
+
+Passes never edit the graph they are given.  ``run`` clones it, edits the clone, and
+returns ``PassResult(graph, changed)``; when nothing changed it may return the input graph
+itself.  Options are dataclass fields, so a pass is configured as ``Fuse(max_nodes=16)`` or,
+in pipeline text, ``"fuse{max_nodes=16}"``.
+
+A new pass::
+
+    @register_pass
+    @dataclass(frozen=True)
+    class MyPass(Pass):
+        name: ClassVar[str] = "my-pass"
+
+        def run(self, graph: Graph) -> PassResult:
+            g = graph.clone()
+            ...
+            return PassResult(g, changed)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from kiln.ir import Graph
+
+
+@dataclass(frozen=True)
+class PassResult:
+    graph: Graph
+    changed: bool
+
+
+@dataclass(frozen=True)
+class Pass:
+    """Base class. Subclasses are frozen dataclasses whose fields are the pass options."""
+
+    name: ClassVar[str] = ""
+
+    def run(self, graph: Graph) -> PassResult:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def __call__(self, graph: Graph) -> PassResult:
+        return self.run(graph)
+
+    @property
+    def options(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    def spec(self) -> str:
+        """Pipeline-text form of this pass with its non-default options."""
+        shown = []
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if f.default is not dataclasses.MISSING and v == f.default:
+                continue
+            shown.append(f"{f.name}={_fmt(v)}")
+        return self.name + ("{" + ",".join(shown) + "}" if shown else "")
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (list, tuple)):
+        return "[" + ",".join(_fmt(x) for x in v) + "]"
+    return str(v)
+
+
+_PASSES: dict[str, type[Pass]] = {}
+
+
+def register_pass(cls: type[Pass]) -> type[Pass]:
+    """Class decorator adding a pass to the registry under ``cls.name``."""
+    if not cls.name:
+        raise ValueError(f"{cls.__name__} has no name")
+    if cls.name in _PASSES and _PASSES[cls.name] is not cls:
+        raise ValueError(f"pass '{cls.name}' is registered twice")
+    _PASSES[cls.name] = cls
+    return cls
+
+
+def get_pass(name: str, **options: Any) -> Pass:
+    try:
+        cls = _PASSES[name]
+    except KeyError:
+        raise KeyError(f"unknown pass '{name}'; registered: {', '.join(sorted(_PASSES))}") from None
+    return cls(**options)
+
+
+def registered_passes() -> dict[str, type[Pass]]:
+    return dict(_PASSES)

@@ -1,0 +1,25 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="kiln",
+    version="0.1.0",
+    description="A deep-learning compiler for PyTorch models: graph IR, passes, loop IR, native backends",
+    packages=find_packages(include=["kiln", "kiln.*"]),
+    python_requires=">=3.10",
+    install_requires=[
+        # Any recent torch works; CI installs the CPU build (torch==2.13.0) before kiln.
+        "torch>=2.4",
+        "numpy>=1.24",
+        "networkx>=3.0",
+        "scipy>=1.10",
+        "ml_dtypes>=0.3",
+    ],
+    extras_require={
+        "loops": ["islpy>=2023.1"],
+        "test": ["pytest>=7", "hypothesis>=6", "transformers>=4.40", "islpy>=2023.1"],
+    },
+    entry_points={
+        "torch_dynamo_backends": ["kiln = kiln.compiler.dynamo:kiln_backend"],
+        "console_scripts": ["kiln-demo = kiln.compiler.demo:main"],
+    },
+)
