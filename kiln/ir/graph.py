@@ -147,21 +147,28 @@ class Graph:
         self.params.append(v)
         return v
 
-    def add_constant(self, data: Any, dtype: DType | None = None, name: str | None = None) -> Value:
-        """A constant value; identical contents are stored once and share one value."""
+    def add_constant(self, data: Any, dtype: DType | None = None, name: str | None = None,
+                     *, dedup: bool = True) -> Value:
+        """A constant value; identical contents are stored once and share one value.
+
+        ``name`` is a hint by default.  With ``dedup=False`` a new value is always made and
+        ``name``, when given, is used verbatim (``ValueError`` if it is taken); the text
+        parser uses this so every written constant keeps its own name.
+        """
         arr = np.asarray(data, dtype=dtype.numpy if dtype else None)
         if dtype is None and arr.dtype == np.float64 and not isinstance(data, np.ndarray):
             arr = arr.astype(np.float32)  # python floats default to float32, as in torch
         kdt = DType.from_numpy(arr.dtype)
         key = _const_key(arr)
         hit = self._const_index.get(key)
-        if hit is not None:
+        if hit is not None and dedup:
             return hit
         arr = np.array(arr, copy=True, order="C")
         arr.setflags(write=False)
-        v = Value(self.fresh_name(name or "c"), TensorType(tuple(arr.shape), kdt), "const", data=arr)
+        vname = self._claim(name) if name is not None and not dedup else self.fresh_name(name or "c")
+        v = Value(vname, TensorType(tuple(arr.shape), kdt), "const", data=arr)
         self.constants.append(v)
-        self._const_index[key] = v
+        self._const_index.setdefault(key, v)
         return v
 
     def add_node(self, op: str | OpDef, inputs: Sequence[Value], attrs: Mapping[str, Any] | None = None,
@@ -249,7 +256,9 @@ class Graph:
         for c in self.constants:
             if c not in used:
                 self._names.discard(c.name)
-                self._const_index.pop(_const_key(c.data), None)
+                key = _const_key(c.data)
+                if self._const_index.get(key) is c:  # an equal, still-used twin keeps the entry
+                    del self._const_index[key]
         self.constants = keep
         return True
 

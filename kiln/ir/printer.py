@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from typing import Any
 
 import numpy as np
@@ -26,6 +27,9 @@ import numpy as np
 from .types import DType
 
 INLINE_LIMIT = 32
+
+PLAIN_GRAPH_NAME = re.compile(r"[A-Za-z0-9_.]+")
+"""Graph names printed bare after ``@``; any other name is printed JSON-quoted."""
 
 
 def format_scalar(x: Any, dtype: DType) -> str:
@@ -67,7 +71,7 @@ def format_attr(value: Any, indent: str) -> str:
             return "nan"
         if math.isinf(value):
             return "inf" if value > 0 else "-inf"
-        return repr(value)
+        return repr(float(value))  # numpy float64 subclasses float but reprs differently
     if isinstance(value, str):
         return json.dumps(value)
     if isinstance(value, (tuple, list)):
@@ -77,10 +81,14 @@ def format_attr(value: Any, indent: str) -> str:
     raise TypeError(f"attribute value {value!r} has no text form")
 
 
+def format_graph_name(name: str) -> str:
+    return name if PLAIN_GRAPH_NAME.fullmatch(name) else json.dumps(name)
+
+
 def format_graph(graph, indent: str = "", locs: bool = False) -> str:
     inner = indent + "  "
     sig = ", ".join(f"%{v.name}: {v.type}" for v in graph.inputs)
-    head = f"graph @{graph.name}({sig})"
+    head = f"graph @{format_graph_name(graph.name)}({sig})"
     if graph.params:
         head += " params(" + ", ".join(f"%{v.name}: {v.type}" for v in graph.params) + ")"
     lines = [head + " {"]
