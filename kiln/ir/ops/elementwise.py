@@ -11,7 +11,7 @@ import numpy as np
 import scipy.special
 
 from ..registry import Attr, defop
-from ..types import DType
+from ..types import DType, TensorType
 from ._infer import (
     broadcast,
     broadcast_bool,
@@ -29,15 +29,26 @@ def _f32(x: np.ndarray) -> np.ndarray:
     return x.astype(np.float32) if x.dtype in _LOWP else x
 
 
+def _as_inferred(result, infer, *arrays: np.ndarray, **attrs) -> np.ndarray:
+    """``result`` in exactly the dtype ``infer`` gives for these operands (numpy would
+    otherwise widen, e.g. int32 + float32 to float64, and half math stays in float32)."""
+    out = infer([TensorType(np.shape(a), DType.from_numpy(a.dtype)) for a in arrays], **attrs)
+    return np.asarray(result).astype(out.dtype.numpy, copy=False)
+
+
 def _unary(name: str, fn, infer=unary_float, traits=("elementwise",), **rules):
     def ref(x):
-        return fn(_f32(x) if infer is not same_as_first else x)
+        return _as_inferred(fn(_f32(x) if infer is not same_as_first else x), infer, x)
 
     ref.__doc__ = f"Elementwise {name}."
     defop(name, infer=infer, traits=traits, **rules)(ref)
 
 
 def _gelu_ref(x, *, approximate: str = "none"):
+    return _as_inferred(_gelu(x, approximate), unary_float, x)
+
+
+def _gelu(x, approximate: str):
     x = _f32(x) if x.dtype in _LOWP else x.astype(np.float64 if x.dtype == np.float64 else np.float32)
     if approximate == "tanh":
         return 0.5 * x * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (x + 0.044715 * x**3)))
@@ -96,7 +107,7 @@ defop("isinf", infer=_bool_unary, traits=("elementwise",))(lambda x: np.isinf(_f
 
 def _binary(name, fn, infer=broadcast, traits=("elementwise",), attrs=None):
     def ref(a, b, **kw):
-        return fn(_f32(a), _f32(b), **kw)
+        return _as_inferred(fn(_f32(a), _f32(b), **kw), infer, a, b, **kw)
 
     ref.__doc__ = f"Elementwise {name} with broadcasting."
     defop(name, infer=infer, num_inputs=2, traits=traits, attrs=attrs)(ref)
@@ -164,7 +175,7 @@ def _where_infer(types, **_):
 @defop("where", infer=_where_infer, num_inputs=3, traits=("elementwise",))
 def where(cond, a, b):
     """``cond ? a : b`` elementwise, with broadcasting."""
-    return np.where(cond, a, b)
+    return _as_inferred(np.where(cond, a, b), _where_infer, cond, a, b)
 
 
 def _cast_infer(types, *, dtype):

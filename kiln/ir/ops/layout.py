@@ -1,1 +1,398 @@
-"""layout ops (being declared)."""
+"""Layout ops: reshape, permute, expand, slice, select, cat, pad, flip, gather, index_select,
+index, tril/triu and repeat.
+
+Shapes are static, except that permute, slice of a whole axis, select, flip, tril/triu and
+expand with ``-1`` carry symbolic sizes through.  Every rule follows torch: negative axes
+count from the end, slice bounds clamp like Python's, ``pad`` lists (before, after) pairs
+starting at the last axis.  References may return views of their operands (reshape,
+permute, expand, slice, select, the ops with the ``view`` trait); treat results as read-only.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from functools import reduce
+
+import numpy as np
+
+from ..registry import Attr, defop
+from ..types import Dim, DType, SymDim, TensorType, broadcast_shapes, normalize_dim, promote
+from ._infer import fmt_shape, require_int, static_dims, unique_axes
+
+NNZ = SymDim("nnz")
+"""Size of the axis a bool mask index produces: its number of true elements, known at run time."""
+
+
+# ---------------------------------------------------------------------------- reshape
+def _reshaped(src: Sequence[int], shape: Sequence[int]) -> tuple[int, ...]:
+    """``shape`` with its ``-1`` resolved so it holds as many elements as ``src``."""
+    if any(d < -1 for d in shape):
+        raise ValueError(f"shape {list(shape)} has a negative size; only -1 (inferred) is allowed")
+    if shape.count(-1) > 1:
+        raise ValueError(f"shape {list(shape)} has more than one -1")
+    numel = math.prod(src)
+    known = math.prod(d for d in shape if d != -1)
+    if -1 in shape and known and numel % known == 0:
+        return tuple(numel // known if d == -1 else d for d in shape)
+    if -1 not in shape and known == numel:
+        return tuple(shape)
+    raise ValueError(f"cannot reshape {fmt_shape(src)} ({numel} elements) into {list(shape)}")
+
+
+def _reshape_infer(types, *, shape):
+    t = types[0]
+    return t.with_shape(_reshaped(static_dims(t.shape, "reshape"), shape))
+
+
+@defop("reshape", infer=_reshape_infer, attrs={"shape": Attr("ints")}, traits=("view",))
+def reshape(x, *, shape):
+    """Same elements in row-major order, new shape (one ``-1`` is inferred)."""
+    return x.reshape(_reshaped(x.shape, shape))
+
+
+# ---------------------------------------------------------------------------- permute
+def _permutation(dims: Sequence[int], rank: int) -> tuple[int, ...]:
+    axes = tuple(d + rank if -rank <= d < 0 else d for d in dims)
+    if sorted(axes) != list(range(rank)):
+        raise ValueError(f"dims {list(dims)} is not a permutation of rank {rank}")
+    return axes
+
+
+def _permute_infer(types, *, dims):
+    t = types[0]
+    return t.with_shape(tuple(t.shape[a] for a in _permutation(dims, t.rank)))
+
+
+@defop("permute", infer=_permute_infer, attrs={"dims": Attr("ints")}, traits=("view",))
+def permute(x, *, dims):
+    """Axis ``i`` of the result is axis ``dims[i]`` of the input."""
+    return np.transpose(x, _permutation(dims, x.ndim))
+
+
+# ----------------------------------------------------------------------------- expand
+def _expanded(src: Sequence[Dim], shape: Sequence[int]) -> tuple[Dim, ...]:
+    """torch.expand: new leading axes, size-1 axes stretched, ``-1`` keeps the size."""
+    lead = len(shape) - len(src)
+    if lead < 0:
+        raise ValueError(f"cannot expand {fmt_shape(src)} to fewer axes {list(shape)}")
+    out: list[Dim] = []
+    for i, size in enumerate(shape):
+        if i < lead:
+            if size < 0:
+                raise ValueError(f"new leading axis {i} of {list(shape)} needs a size, got {size}")
+            out.append(size)
+            continue
+        have = src[i - lead]
+        if size == -1 or size == have:
+            out.append(have)
+        elif have == 1 and size >= 0:
+            out.append(size)
+        else:
+            raise ValueError(f"cannot expand {fmt_shape(src)} to {list(shape)}: axis {i - lead} "
+                             f"has size {have}, which is neither 1 nor {size}")
+    return tuple(out)
+
+
+def _expand_infer(types, *, shape):
+    t = types[0]
+    return t.with_shape(_expanded(t.shape, shape))
+
+
+@defop("expand", infer=_expand_infer, attrs={"shape": Attr("ints")}, traits=("view",))
+def expand(x, *, shape):
+    """Broadcast to ``shape`` without copying (a read-only view)."""
+    return np.broadcast_to(x, _expanded(x.shape, shape))
+
+
+# ------------------------------------------------------------------------------ slice
+_WHOLE = 2**62
+
+
+def _slice_range(size: Dim, start: int, end: int, step: int) -> tuple[int, int, Dim]:
+    """Clamped ``(start, end, length)`` of ``start:end:step`` on an axis of ``size``."""
+    if step <= 0:
+        raise ValueError(f"slice step must be positive, got {step}")
+    if not isinstance(size, int):
+        if start == 0 and end >= _WHOLE and step == 1:
+            return 0, end, size
+        raise ValueError(f"slice {start}:{end}:{step} of symbolic axis size {size} needs a static size")
+    start, end = (v + size if v < 0 else v for v in (start, end))
+    start = min(max(start, 0), size)
+    end = min(max(end, start), size)
+    return start, end, -(-(end - start) // step)
+
+
+def _slice_infer(types, *, dim, start, end, step=1):
+    t = types[0]
+    if t.rank == 0:
+        raise ValueError("cannot slice a 0-d tensor")
+    axis = normalize_dim(dim, t.rank)
+    length = _slice_range(t.shape[axis], start, end, step)[2]
+    return t.with_shape(t.shape[:axis] + (length,) + t.shape[axis + 1:])
+
+
+@defop("slice", infer=_slice_infer, traits=("view",), attrs={
+    "dim": Attr("int"), "start": Attr("int"), "end": Attr("int"), "step": Attr("int", 1)})
+def slice_(x, *, dim, start, end, step=1):
+    """``x[..., start:end:step, ...]`` on axis ``dim``; out-of-range bounds clamp."""
+    axis = normalize_dim(dim, x.ndim)
+    lo, hi, _ = _slice_range(x.shape[axis], start, end, step)
+    return x[(slice(None),) * axis + (slice(lo, hi, step),)]
+
+
+# ----------------------------------------------------------------------------- select
+def _select_infer(types, *, dim, index):
+    t = types[0]
+    if t.rank == 0:
+        raise ValueError("cannot select from a 0-d tensor")
+    axis = normalize_dim(dim, t.rank)
+    size = t.shape[axis]
+    if isinstance(size, int) and not -size <= index < size:
+        raise ValueError(f"index {index} is out of range for axis {axis} of size {size}")
+    return t.with_shape(t.shape[:axis] + t.shape[axis + 1:])
+
+
+@defop("select", infer=_select_infer, attrs={"dim": Attr("int"), "index": Attr("int")},
+       traits=("view",))
+def select(x, *, dim, index):
+    """``x[..., index, ...]`` on axis ``dim``, which is removed (negative index allowed)."""
+    return np.asarray(x[(slice(None),) * normalize_dim(dim, x.ndim) + (index,)])
+
+
+# -------------------------------------------------------------------------------- cat
+def _cat_parts(shapes: Sequence[tuple]) -> list[int]:
+    """Positions of the operands cat joins: 1-d empty operands are skipped, as in torch."""
+    kept = [i for i, s in enumerate(shapes) if tuple(s) != (0,)]
+    return kept or list(range(len(shapes)))
+
+
+def _cat_infer(types, *, dim):
+    parts = _cat_parts([t.shape for t in types])
+    first = types[parts[0]]
+    if first.rank == 0:
+        raise ValueError("cannot concatenate 0-d tensors; reshape them to 1-d first")
+    axis = normalize_dim(dim, first.rank)
+    total = 0
+    for i in parts:
+        t = types[i]
+        rest = t.shape[:axis] + t.shape[axis + 1:]
+        if t.rank != first.rank or rest != first.shape[:axis] + first.shape[axis + 1:]:
+            raise ValueError(f"operand {i} has shape {fmt_shape(t.shape)} but operand {parts[0]} has "
+                             f"{fmt_shape(first.shape)}; only axis {axis} may differ")
+        total += static_dims([t.shape[axis]], "cat along a symbolic axis")[0]
+    dtype = reduce(promote, (t.dtype for t in types))
+    return TensorType(first.shape[:axis] + (total,) + first.shape[axis + 1:], dtype)
+
+
+@defop("cat", infer=_cat_infer, num_inputs=(1, None), attrs={"dim": Attr("int")})
+def cat(*xs, dim):
+    """Concatenate along ``dim``; dtypes promote as in arithmetic."""
+    dtype = reduce(promote, (DType.from_numpy(x.dtype) for x in xs)).numpy
+    parts = [xs[i].astype(dtype, copy=False) for i in _cat_parts([x.shape for x in xs])]
+    return np.concatenate(parts, axis=normalize_dim(dim, parts[0].ndim))
+
+
+# -------------------------------------------------------------------------------- pad
+def _pad_pairs(shape: Sequence[Dim], pads: Sequence[int]) -> list[tuple[int, int]]:
+    """Per-axis (before, after) amounts, first axis first, from torch's last-axis-first list."""
+    rank = len(shape)
+    if len(pads) % 2 or len(pads) > 2 * rank:
+        raise ValueError(f"pads {list(pads)} must be (before, after) pairs for at most {rank} "
+                         f"axes (rank {rank})")
+    pairs = [(0, 0)] * rank
+    for k in range(len(pads) // 2):
+        axis = rank - 1 - k
+        before, after = pads[2 * k], pads[2 * k + 1]
+        size = shape[axis]
+        if (before or after) and not isinstance(size, int):
+            raise ValueError(f"cannot pad symbolic axis {axis} of {fmt_shape(shape)}")
+        if (before or after) and size + min(before, 0) + min(after, 0) < 0:
+            raise ValueError(f"pads ({before}, {after}) crop more than the {size} elements of "
+                             f"axis {axis}")
+        pairs[axis] = (before, after)
+    return pairs
+
+
+def _pad_infer(types, *, pads, value=0.0):
+    t = types[0]
+    if not t.dtype.is_floating and not math.isfinite(value):
+        raise ValueError(f"pad value {value} cannot be stored in {t.dtype.short}")
+    pairs = _pad_pairs(t.shape, pads)
+    return t.with_shape(tuple(d if p == (0, 0) else d + p[0] + p[1] for d, p in zip(t.shape, pairs)))
+
+
+@defop("pad", infer=_pad_infer, attrs={"pads": Attr("ints"), "value": Attr("float", 0.0)})
+def pad(x, *, pads, value=0.0):
+    """Constant padding (torch constant_pad_nd order); negative amounts crop."""
+    pairs = _pad_pairs(x.shape, pads)
+    crop = tuple(slice(max(-b, 0), d - max(-a, 0)) for d, (b, a) in zip(x.shape, pairs))
+    widths = [(max(b, 0), max(a, 0)) for b, a in pairs]
+    fill = np.asarray(np.trunc(value) if x.dtype.kind in "iu" else value).astype(x.dtype)
+    return np.pad(x[crop], widths, constant_values=fill)
+
+
+# ------------------------------------------------------------------------------- flip
+def _flip_infer(types, *, dims):
+    t = types[0]
+    unique_axes(dims, t.rank)
+    return t
+
+
+@defop("flip", infer=_flip_infer, attrs={"dims": Attr("ints")})
+def flip(x, *, dims):
+    """Reverse the order of elements along each of ``dims``."""
+    return np.flip(x, axis=unique_axes(dims, x.ndim)) if dims else x
+
+
+# ------------------------------------------------------------------- gather / selects
+def _check_bounds(index: np.ndarray, size: int, what: str, negative_ok: bool = False) -> None:
+    """Raise IndexError for indices torch would reject (numpy would wrap or raise vaguely)."""
+    if index.size == 0:
+        return
+    lo, hi = int(index.min()), int(index.max())
+    if hi >= size or lo < (-size if negative_ok else 0):
+        bad = hi if hi >= size else lo
+        raise IndexError(f"{what}: index {bad} is out of range for an axis of size {size}")
+
+
+def _gather_infer(types, *, dim):
+    x, index = types
+    require_int(index, "index")
+    if index.rank != x.rank:
+        raise ValueError(f"index has rank {index.rank} but input has rank {x.rank}; they must match")
+    axis = normalize_dim(dim, x.rank)
+    for a, (i, s) in enumerate(zip(index.shape, x.shape)):
+        if a != axis and isinstance(i, int) and isinstance(s, int) and i > s:
+            raise ValueError(f"index {fmt_shape(index.shape)} is larger than input "
+                             f"{fmt_shape(x.shape)} on axis {a}")
+    return index.with_dtype(x.dtype)
+
+
+@defop("gather", infer=_gather_infer, num_inputs=2, attrs={"dim": Attr("int")})
+def gather(x, index, *, dim):
+    """``out[i][j] = x[index[i][j]][j]`` for ``dim=0`` (torch.gather)."""
+    if x.ndim == 0:
+        _check_bounds(index, 1, "gather")
+        return x.copy()
+    axis = normalize_dim(dim, x.ndim)
+    _check_bounds(index, x.shape[axis], "gather")
+    window = tuple(slice(None) if a == axis else slice(0, n) for a, n in enumerate(index.shape))
+    return np.take_along_axis(x[window], index.astype(np.int64), axis=axis)
+
+
+def _index_select_infer(types, *, dim):
+    x, index = types
+    require_int(index, "index")
+    if index.rank > 1:
+        raise ValueError(f"index must be 0-d or 1-d, got {fmt_shape(index.shape)}")
+    if x.rank == 0:
+        raise ValueError("input must be at least 1-d")
+    axis = normalize_dim(dim, x.rank)
+    count = index.shape[0] if index.rank else 1
+    return x.with_shape(x.shape[:axis] + (count,) + x.shape[axis + 1:])
+
+
+@defop("index_select", infer=_index_select_infer, num_inputs=2, attrs={"dim": Attr("int")})
+def index_select(x, index, *, dim):
+    """The entries ``index`` (0-d or 1-d, non-negative) of axis ``dim``, in that order."""
+    axis = normalize_dim(dim, x.ndim)
+    _check_bounds(index, x.shape[axis], "index_select")
+    return np.take(x, index.reshape(-1).astype(np.int64), axis=axis)
+
+
+# ------------------------------------------------------------------- advanced indexing
+def _index_plan(rank: int, dims: Sequence[int], ranks: Sequence[int], masks: Sequence[bool]) -> list:
+    """For each input axis, the position of the index tensor starting there, ``None`` for a
+    full slice, or ``-1`` for an axis a bool mask starting earlier already covers."""
+    if len(dims) != len(ranks):
+        raise ValueError(f"dims {list(dims)} names {len(dims)} axes but {len(ranks)} index "
+                         "tensors are given")
+    plan: list = [None] * rank
+    for i, d in enumerate(dims):
+        start = normalize_dim(d, rank)
+        width = ranks[i] if masks[i] else 1
+        if masks[i] and width == 0:
+            raise ValueError(f"index {i} is a 0-d bool mask; use where() instead")
+        for a in range(start, start + width):
+            if a >= rank or plan[a] is not None:
+                raise ValueError(f"dims {list(dims)} with index ranks {list(ranks)} overlap or "
+                                 f"run past rank {rank}")
+            plan[a] = i if a == start else -1
+    return plan
+
+
+def _index_infer(types, *, dims):
+    x, indices = types[0], types[1:]
+    for i, t in enumerate(indices):
+        if t.dtype != DType.bool:
+            require_int(t, f"index {i}")
+    masks = [t.dtype == DType.bool for t in indices]
+    plan = _index_plan(x.rank, dims, [t.rank for t in indices], masks)
+    for i, t in enumerate(indices):
+        if masks[i]:
+            start = plan.index(i)
+            covered = x.shape[start:start + t.rank]
+            if any(isinstance(a, int) and isinstance(b, int) and a != b for a, b in zip(t.shape, covered)):
+                raise ValueError(f"bool mask {i} of shape {fmt_shape(t.shape)} does not match the "
+                                 f"indexed axes {fmt_shape(covered)}")
+    index_shape = broadcast_shapes(*((NNZ,) if m else t.shape for m, t in zip(masks, indices)))
+    sliced = [a for a, p in enumerate(plan) if p is None]
+    indexed = [a for a, p in enumerate(plan) if p is not None]
+    # Numpy's rule: adjacent indexed axes are replaced in place, otherwise moved first.
+    in_place = indexed == list(range(indexed[0], indexed[-1] + 1))
+    split = indexed[0] if in_place else 0
+    before = [x.shape[a] for a in sliced if a < split]
+    after = [x.shape[a] for a in sliced if a >= split]
+    return x.with_shape((*before, *index_shape, *after))
+
+
+@defop("index", infer=_index_infer, num_inputs=(2, None), attrs={"dims": Attr("ints")})
+def index(x, *indices, dims):
+    """Advanced indexing: ``indices[i]`` (int, or bool mask) indexes axis ``dims[i]``.
+
+    Numpy/torch placement: when the indexed axes are adjacent the broadcast index shape
+    replaces them in place, otherwise it comes first.  A bool mask covering ``k`` axes
+    selects its true positions, giving one axis of data-dependent size (``nnz``).
+    """
+    masks = [i.dtype == np.bool_ for i in indices]
+    plan = _index_plan(x.ndim, dims, [i.ndim for i in indices], masks)
+    key = tuple(slice(None) if p is None else indices[p] for p in plan if p != -1)
+    return np.asarray(x[key])
+
+
+# --------------------------------------------------------------------- triangles, tiles
+def _triangle_infer(types, *, diagonal=0):
+    t = types[0]
+    if t.rank < 2:
+        raise ValueError(f"input must be at least 2-d, got {fmt_shape(t.shape)}")
+    return t
+
+
+@defop("tril", infer=_triangle_infer, attrs={"diagonal": Attr("int", 0)})
+def tril(x, *, diagonal=0):
+    """Zero the elements above diagonal ``diagonal`` of the last two axes."""
+    return np.tril(x, k=diagonal)
+
+
+@defop("triu", infer=_triangle_infer, attrs={"diagonal": Attr("int", 0)})
+def triu(x, *, diagonal=0):
+    """Zero the elements below diagonal ``diagonal`` of the last two axes."""
+    return np.triu(x, k=diagonal)
+
+
+def _repeat_infer(types, *, repeats):
+    t = types[0]
+    if len(repeats) < t.rank:
+        raise ValueError(f"repeats {list(repeats)} has fewer entries than the input's rank {t.rank}")
+    if any(r < 0 for r in repeats):
+        raise ValueError(f"repeats {list(repeats)} must be non-negative")
+    src = (1,) * (len(repeats) - t.rank) + static_dims(t.shape, "repeat")
+    return t.with_shape(tuple(s * r for s, r in zip(src, repeats)))
+
+
+@defop("repeat", infer=_repeat_infer, attrs={"repeats": Attr("ints")})
+def repeat(x, *, repeats):
+    """Tile ``x`` ``repeats[i]`` times along axis ``i`` (torch.Tensor.repeat)."""
+    return np.tile(x, repeats)
+
