@@ -1,0 +1,352 @@
+"""ATen -> kiln rules for elementwise math, casts, identities and reductions.
+
+Python scalars become 0-d constants typed as torch types them (see
+:func:`kiln.compiler.aten.scalar_dtype`).  See :mod:`kiln.compiler.aten` for how rules are
+declared.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from kiln.ir import DType, Value
+
+from .aten import (
+    IGNORED_OPS,
+    LoweringContext,
+    LowerFn,
+    aten,
+    dims_arg,
+    dtype_arg,
+    kiln_dtype,
+    lowers,
+    meta,
+    optional_ops,
+)
+
+
+# ---------------------------------------------------------------- elementwise
+_UNARY = {
+    "abs": "abs", "neg": "neg", "exp": "exp", "log": "log", "log2": "log2", "log1p": "log1p",
+    "expm1": "expm1", "sqrt": "sqrt", "rsqrt": "rsqrt", "reciprocal": "reciprocal",
+    "sigmoid": "sigmoid", "tanh": "tanh", "sin": "sin", "cos": "cos", "tan": "tan",
+    "atan": "atan", "erf": "erf", "silu": "silu", "relu": "relu", "floor": "floor",
+    "ceil": "ceil", "round": "round", "trunc": "trunc", "fix": "trunc", "sign": "sign",
+    "sgn": "sign", "logical_not": "logical_not", "isnan": "isnan", "isinf": "isinf",
+}
+
+
+def _unary_rule(kiln_op: str) -> LowerFn:
+    def lower(ctx: LoweringContext, x: Value, *_: Any) -> Value:
+        return ctx.op(kiln_op, x)
+
+    return lower
+
+
+for _aten_name, _kiln_name in _UNARY.items():
+    lowers(*optional_ops(_aten_name))(_unary_rule(_kiln_name))
+
+
+@lowers(aten.gelu.default)
+def _gelu(ctx: LoweringContext, x: Value, approximate: str = "none") -> Value:
+    return ctx.op("gelu", x, approximate=approximate)
+
+
+@lowers(aten.round.decimals)
+def _round_decimals(ctx: LoweringContext, x: Value, decimals: int) -> Value:
+    if decimals == 0:
+        return ctx.op("round", x)
+    scale = ctx.scalar(10.0**decimals, x.dtype)
+    return ctx.op("div", ctx.op("round", ctx.op("mul", x, scale)), scale)
+
+
+def _bool_only(node: torch.fx.Node, *args: Any) -> str | None:
+    for a in args:
+        m = meta(a)
+        if isinstance(m, torch.Tensor) and m.dtype != torch.bool:
+            return f"bitwise ops are supported on bool tensors only, got {m.dtype}"
+        if isinstance(a, int) and not isinstance(a, bool):
+            return "bitwise ops with integer scalars are not supported"
+    return None
+
+
+@lowers(aten.bitwise_not.default, check=_bool_only)
+def _bitwise_not(ctx: LoweringContext, x: Value) -> Value:
+    return ctx.op("logical_not", x)
+
+
+_BINARY = {
+    "mul": "mul", "maximum": "maximum", "minimum": "minimum", "remainder": "remainder",
+    "atan2": "atan2", "eq": "eq", "ne": "ne", "lt": "lt", "le": "le", "gt": "gt", "ge": "ge",
+    "logical_and": "logical_and", "logical_or": "logical_or", "logical_xor": "logical_xor",
+    "pow": "pow", "div": "div", "max": "maximum", "min": "minimum",
+}
+_BINARY_OVERLOADS = ("Tensor", "Scalar", "default", "Tensor_Tensor", "Tensor_Scalar", "other")
+
+
+def _binary_rule(kiln_op: str) -> LowerFn:
+    def lower(ctx: LoweringContext, a: Any, b: Any, *_: Any) -> Value:
+        return ctx.op(kiln_op, *ctx.operands(a, b))
+
+    return lower
+
+
+for _aten_name, _kiln_name in _BINARY.items():
+    _overloads = ("other",) if _aten_name in ("max", "min") else _BINARY_OVERLOADS
+    lowers(*optional_ops(*(f"{_aten_name}.{o}" for o in _overloads)))(_binary_rule(_kiln_name))
+for _aten_name, _kiln_name in (("bitwise_and", "logical_and"), ("bitwise_or", "logical_or"),
+                               ("bitwise_xor", "logical_xor")):
+    lowers(*optional_ops(f"{_aten_name}.Tensor", f"{_aten_name}.Scalar"),
+           check=_bool_only)(_binary_rule(_kiln_name))
+
+
+def _scaled(ctx: LoweringContext, x: Value, alpha: Any) -> Value:
+    if alpha == 1:
+        return x
+    return ctx.op("mul", x, ctx.scalar(alpha, x.dtype))
+
+
+@lowers(aten.add.Tensor, aten.add.Scalar)
+def _add(ctx: LoweringContext, a: Any, b: Any, alpha: Any = 1) -> Value:
+    a, b = ctx.operands(a, b)
+    return ctx.op("add", a, _scaled(ctx, b, alpha))
+
+
+@lowers(aten.sub.Tensor, aten.sub.Scalar)
+def _sub(ctx: LoweringContext, a: Any, b: Any, alpha: Any = 1) -> Value:
+    a, b = ctx.operands(a, b)
+    return ctx.op("sub", a, _scaled(ctx, b, alpha))
+
+
+@lowers(aten.rsub.Tensor, aten.rsub.Scalar)
+def _rsub(ctx: LoweringContext, a: Any, b: Any, alpha: Any = 1) -> Value:
+    a, b = ctx.operands(a, b)
+    return ctx.op("sub", b, _scaled(ctx, a, alpha))
+
+
+@lowers(aten.div.Tensor_mode, aten.div.Scalar_mode)
+def _div_mode(ctx: LoweringContext, a: Any, b: Any, rounding_mode: str | None = None) -> Value:
+    return ctx.op("div", *ctx.operands(a, b), rounding_mode=rounding_mode)
+
+
+@lowers(aten.floor_divide.default, aten.floor_divide.Scalar)
+def _floor_divide(ctx: LoweringContext, a: Any, b: Any) -> Value:
+    return ctx.op("div", *ctx.operands(a, b), rounding_mode="floor")
+
+
+@lowers(aten.where.self)
+def _where(ctx: LoweringContext, cond: Value, a: Value, b: Value) -> Value:
+    return ctx.op("where", ctx.cast(cond, DType.bool), a, b)
+
+
+@lowers(aten.where.ScalarSelf, aten.where.ScalarOther, aten.where.Scalar)
+def _where_scalar(ctx: LoweringContext, cond: Value, a: Any, b: Any) -> Value:
+    if not isinstance(a, Value) and not isinstance(b, Value):
+        dtype = ctx.out.dtype
+        a, b = ctx.const(a, dtype), ctx.const(b, dtype)
+    a, b = ctx.operands(a, b)
+    return ctx.op("where", ctx.cast(cond, DType.bool), a, b)
+
+
+@lowers(aten.masked_fill.Scalar, aten.masked_fill.Tensor)
+def _masked_fill(ctx: LoweringContext, x: Value, mask: Value, value: Any) -> Value:
+    fill = ctx.cast(value, x.dtype) if isinstance(value, Value) else ctx.const(value, x.dtype)
+    return ctx.op("where", ctx.cast(mask, DType.bool), fill, x)
+
+
+@lowers(aten.clamp.default, aten.clamp.Tensor, aten.clamp_min.default, aten.clamp_max.default,
+        aten.clamp_min.Tensor, aten.clamp_max.Tensor, aten.hardtanh.default)
+def _clamp(ctx: LoweringContext, x: Value, *bounds: Any) -> Value:
+    target = ctx.node.target
+    low, high = bounds if len(bounds) == 2 else (None, None)
+    if target in (aten.clamp_min.default, aten.clamp_min.Tensor):
+        low = bounds[0]
+    elif target in (aten.clamp_max.default, aten.clamp_max.Tensor):
+        high = bounds[0]
+    elif target is aten.hardtanh.default:
+        low, high = bounds
+    tensors = isinstance(low, Value) or isinstance(high, Value)
+    if x.dtype.is_floating and not tensors:
+        return ctx.op("clamp", x, min=low, max=high)
+    # Tensor bounds, or an integer tensor (whose result may promote): maximum/minimum.
+    if low is not None:
+        x = ctx.op("maximum", *ctx.operands(x, low))
+    if high is not None:
+        x = ctx.op("minimum", *ctx.operands(x, high))
+    return x
+
+
+@lowers(aten.leaky_relu.default)
+def _leaky_relu(ctx: LoweringContext, x: Value, negative_slope: float = 0.01) -> Value:
+    positive = ctx.op("gt", x, ctx.scalar(0, x.dtype))
+    return ctx.op("where", positive, x, ctx.op("mul", x, ctx.scalar(negative_slope, x.dtype)))
+
+
+# ------------------------------------------------------------ casts, identities
+def _strided_only(node: torch.fx.Node, *args: Any) -> str | None:
+    layout = node.kwargs.get("layout")
+    if layout is not None and layout != torch.strided:
+        return f"layout {layout} is not supported (dense tensors only)"
+    return None
+
+
+@lowers(aten._to_copy.default, aten.to.dtype_layout, check=_strided_only)
+def _to_copy(ctx: LoweringContext, x: Value, dtype: torch.dtype | None = None, *_: Any) -> Value:
+    return ctx.cast(x, dtype_arg(dtype))
+
+
+@lowers(aten.to.dtype, aten.to.device)
+def _to(ctx: LoweringContext, x: Value, *args: Any) -> Value:
+    return ctx.cast(x, ctx.out.dtype)
+
+
+@lowers(aten.to.other, aten.type_as.default)
+def _to_other(ctx: LoweringContext, x: Value, other: Value, *_: Any) -> Value:
+    return ctx.cast(x, other.dtype)
+
+
+@lowers(torch.ops.prims.convert_element_type.default)
+def _convert_element_type(ctx: LoweringContext, x: Value, dtype: torch.dtype) -> Value:
+    return ctx.cast(x, kiln_dtype(dtype))
+
+
+def _identity(ctx: LoweringContext, x: Value, *_: Any) -> Value:
+    return x
+
+
+lowers(aten.clone.default, aten.alias.default, aten.lift_fresh_copy.default,
+       aten.detach.default, *optional_ops("contiguous", "alias_copy", "detach_copy"))(_identity)
+
+
+def _eval_dropout(node: torch.fx.Node, x: Any, p: float, train: bool | None, *_: Any) -> str | None:
+    if train and p > 0:
+        return "dropout in training mode is random; call model.eval() before compiling"
+    return None
+
+
+@lowers(aten.dropout.default, aten.feature_dropout.default, aten.alpha_dropout.default,
+        check=_eval_dropout)
+def _dropout(ctx: LoweringContext, x: Value, *_: Any) -> Value:
+    return x
+
+
+@lowers(aten.native_dropout.default, check=_eval_dropout)
+def _native_dropout(ctx: LoweringContext, x: Value, *_: Any) -> tuple:
+    keep_all = lambda: ctx.op("full", shape=tuple(x.shape), value=True, dtype=DType.bool)  # noqa: E731
+    return (x, keep_all)
+
+
+IGNORED_OPS.update(optional_ops("_assert_tensor_metadata", "_assert_scalar",
+                                 "_assert_async.msg", "sym_constrain_range_for_size",
+                                 "sym_constrain_range"))
+
+
+# ----------------------------------------------------------------- reductions
+def _reduce(kiln_op: str) -> LowerFn:
+    def lower(ctx: LoweringContext, x: Value, dim: Any = None, keepdim: bool = False,
+              dtype: torch.dtype | None = None) -> Value:
+        return ctx.op(kiln_op, ctx.cast(x, dtype_arg(dtype)), dims=dims_arg(dim), keepdim=keepdim)
+
+    return lower
+
+
+@lowers(aten.sum.default, aten.mean.default, aten.prod.default)
+def _reduce_all(ctx: LoweringContext, x: Value, dtype: torch.dtype | None = None) -> Value:
+    if ctx.node.target is aten.sum.default:
+        return ctx.op("sum", x, dtype=dtype_arg(dtype))
+    name = "mean" if ctx.node.target is aten.mean.default else "prod"
+    return ctx.op(name, ctx.cast(x, dtype_arg(dtype)))
+
+
+@lowers(aten.sum.dim_IntList)
+def _sum_dims(ctx: LoweringContext, x: Value, dim: Any, keepdim: bool = False,
+              dtype: torch.dtype | None = None) -> Value:
+    return ctx.op("sum", x, dims=dims_arg(dim), keepdim=keepdim, dtype=dtype_arg(dtype))
+
+
+lowers(aten.mean.dim)(_reduce("mean"))
+lowers(aten.prod.dim_int)(_reduce("prod"))
+lowers(aten.amax.default)(_reduce("amax"))
+lowers(aten.amin.default)(_reduce("amin"))
+lowers(aten.any.dim, aten.any.dims)(_reduce("any"))
+lowers(aten.all.dim, *optional_ops("all.dims"))(_reduce("all"))
+
+
+_FULL_REDUCTIONS = {aten.max.default: "amax", aten.min.default: "amin", aten.any.default: "any",
+                    aten.all.default: "all"}
+
+
+@lowers(*_FULL_REDUCTIONS)
+def _reduce_everything(ctx: LoweringContext, x: Value) -> Value:
+    return ctx.op(_FULL_REDUCTIONS[ctx.node.target], x)
+
+
+@lowers(aten.max.dim, aten.min.dim)
+def _max_dim(ctx: LoweringContext, x: Value, dim: int, keepdim: bool = False) -> tuple:
+    values, index = ("amax", "argmax") if ctx.node.target is aten.max.dim else ("amin", "argmin")
+    return (lambda: ctx.op(values, x, dims=(dim,), keepdim=keepdim),
+            lambda: ctx.op(index, x, dim=dim, keepdim=keepdim))
+
+
+@lowers(aten.argmax.default, aten.argmin.default)
+def _argmax(ctx: LoweringContext, x: Value, dim: int | None = None, keepdim: bool = False) -> Value:
+    name = "argmax" if ctx.node.target is aten.argmax.default else "argmin"
+    return ctx.op(name, x, dim=dim, keepdim=keepdim)
+
+
+def _correction(correction: Any, unbiased: bool | None = None) -> float:
+    if correction is not None:
+        return float(correction)
+    return 0.0 if unbiased is False else 1.0
+
+
+@lowers(aten.var.correction, aten.std.correction)
+def _var(ctx: LoweringContext, x: Value, dim: Any = None, correction: Any = None,
+         keepdim: bool = False) -> Value:
+    v = ctx.op("var", x, dims=dims_arg(dim), correction=_correction(correction), keepdim=keepdim)
+    return ctx.op("sqrt", v) if ctx.node.target is aten.std.correction else v
+
+
+@lowers(aten.var.dim, aten.std.dim)
+def _var_dim(ctx: LoweringContext, x: Value, dim: Any, unbiased: bool = True,
+             keepdim: bool = False) -> Value:
+    v = ctx.op("var", x, dims=dims_arg(dim), correction=_correction(None, unbiased), keepdim=keepdim)
+    return ctx.op("sqrt", v) if ctx.node.target is aten.std.dim else v
+
+
+@lowers(aten.var_mean.correction)
+def _var_mean(ctx: LoweringContext, x: Value, dim: Any = None, correction: Any = None,
+              keepdim: bool = False) -> tuple:
+    dims = dims_arg(dim)
+    return (lambda: ctx.op("var", x, dims=dims, correction=_correction(correction), keepdim=keepdim),
+            lambda: ctx.op("mean", x, dims=dims, keepdim=keepdim))
+
+
+@lowers(aten.cumsum.default)
+def _cumsum(ctx: LoweringContext, x: Value, dim: int, dtype: torch.dtype | None = None) -> Value:
+    return ctx.op("cumsum", x, dim=dim, dtype=dtype_arg(dtype))
+
+
+@lowers(aten.softmax.int, aten.log_softmax.int)
+def _softmax(ctx: LoweringContext, x: Value, dim: int, dtype: torch.dtype | None = None) -> Value:
+    name = "softmax" if ctx.node.target is aten.softmax.int else "log_softmax"
+    return ctx.op(name, ctx.cast(x, dtype_arg(dtype)), dim=dim)
+
+
+@lowers(aten._softmax.default, aten._log_softmax.default)
+def _softmax_internal(ctx: LoweringContext, x: Value, dim: int, half_to_float: bool) -> Value:
+    name = "softmax" if ctx.node.target is aten._softmax.default else "log_softmax"
+    if half_to_float:
+        x = ctx.cast(x, DType.float32)
+    return ctx.op(name, x, dim=dim)
+
+
+@lowers(aten._safe_softmax.default)
+def _safe_softmax(ctx: LoweringContext, x: Value, dim: int, dtype: torch.dtype | None = None) -> Value:
+    """Softmax whose fully masked rows (all -inf) are 0 instead of NaN."""
+    x = ctx.cast(x, dtype_arg(dtype))
+    masked = ctx.op("eq", x, ctx.scalar(float("-inf"), x.dtype))
+    all_masked = ctx.op("all", masked, dims=(dim,), keepdim=True)
+    return ctx.op("where", all_masked, ctx.scalar(0.0, x.dtype), ctx.op("softmax", x, dim=dim))

@@ -1,0 +1,478 @@
+"""PyTorch capture: ATen-level programs (``torch.export`` or FX) to kiln graphs.
+
+Entry points:
+
+* :func:`capture` -- ``nn.Module`` + example inputs -> :class:`Captured` (export, decompose
+  with :func:`decomposition_table`, lower);
+* :func:`capture_program` -- a decomposed ``torch.export.ExportedProgram`` -> ``Captured``;
+* :func:`capture_fx` -- an ATen-level ``torch.fx.GraphModule`` whose placeholders are all
+  tensors (the ``torch.compile`` path) -> ``Captured``;
+* :func:`is_supported` -- whether kiln lowers one FX node (the fallback partitioner's test).
+
+Guarantees of a captured graph:
+
+* every kiln value has exactly the shape and dtype PyTorch computed for the ATen value it
+  stands for (a ``cast`` is inserted where kiln's promotion differs; a shape difference is a
+  kiln bug and raises :class:`~kiln.compiler.errors.CaptureError`);
+* parameters and buffers are graph params named by their module path, and
+  ``Captured.params`` holds the live tensors of the model (never copies);
+* lifted tensor constants become kiln constants;
+* every node's ``loc`` is the user's source line, ``"file.py:LINE in fn: code"``, when
+  PyTorch recorded a stack trace;
+* any ATen op or argument combination kiln cannot lower raises
+  :class:`~kiln.compiler.errors.UnsupportedOpError` naming the op, its operand types and the
+  source line; only static shapes are supported today.
+"""
+
+from __future__ import annotations
+
+import operator
+import os
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+import torch
+from torch.utils import _pytree as pytree
+
+from kiln.ir import Graph, OpTypeError, TensorType, Value
+
+from .aten import (
+    IGNORED_OPS,
+    LoweringContext,
+    has_kiln_dtype,
+    kiln_dtype,
+    meta,
+    rule_for,
+    tensor_type,
+)
+from .errors import CaptureError, UnsupportedOpError
+
+aten = torch.ops.aten
+
+# Ops the default core-ATen table would decompose but kiln lowers directly (and better).
+_KEPT_OPS = (
+    "silu.default", "layer_norm.default", "rms_norm.default", "softmax.int", "log_softmax.int",
+    "scaled_dot_product_attention.default", "upsample_nearest2d.default",
+    "upsample_nearest2d.vec", "upsample_bilinear2d.vec", "matmul.default", "linear.default",
+    "tril.default", "triu.default", "adaptive_avg_pool2d.default", "max_pool2d.default",
+    "masked_fill.Scalar", "masked_fill.Tensor",
+)
+
+
+def decomposition_table() -> dict[Any, Any]:
+    """The decomposition table kiln exports with: core ATen minus the ops kiln maps directly.
+
+    Starts from ``torch.export.default_decompositions()`` and removes silu, layer and RMS
+    norm, softmax/log_softmax, scaled dot-product attention, upsampling, matmul/linear,
+    tril/triu, max/adaptive pooling and masked_fill, so they reach kiln whole (gelu, conv,
+    batch norm, embedding... are core ATen and stay whole anyway).  Returns a new plain dict
+    (op overload -> decomposition) that callers may edit; usable with
+    ``ExportedProgram.run_decompositions`` and ``make_fx(decomposition_table=...)``.
+    """
+    table = torch.export.default_decompositions()
+    for name in _KEPT_OPS:
+        packet, overload = name.split(".")
+        op = getattr(getattr(aten, packet), overload)
+        if op in table:
+            table.pop(op)
+    return dict(table.items())
+
+
+def export_program(model: torch.nn.Module, args: tuple, kwargs: dict | None = None
+                   ) -> torch.export.ExportedProgram:
+    """``torch.export.export(model, args, kwargs, strict=False)`` decomposed with
+    :func:`decomposition_table`."""
+    ep = torch.export.export(model, tuple(args), dict(kwargs or {}), strict=False)
+    return ep.run_decompositions(decomposition_table())
+
+
+@dataclass
+class Captured:
+    """A captured program: the kiln graph plus what is needed to call it like the model.
+
+    Attributes:
+        graph: the kiln graph; its inputs are the user's tensor inputs in call order, its
+            params the model's parameters and buffers.
+        params: graph param name -> the live parameter/buffer tensor (not a copy), in the
+            order of ``graph.params``.
+        input_names: names of ``graph.inputs``, in call order.
+        in_spec, out_spec: pytree specs of the exported program's (args, kwargs) and outputs;
+            ``None`` on the FX path.
+        input_positions: for each graph input, its index among the flattened user inputs
+            (non-tensor user inputs are specialized into the graph and have no graph input).
+    """
+
+    graph: Graph
+    params: dict[str, torch.Tensor]
+    input_names: list[str]
+    in_spec: Any = None
+    out_spec: Any = None
+    input_positions: list[int] = field(default_factory=list)
+
+
+# ------------------------------------------------------------------ locations
+_FRAME_RE = re.compile(
+    r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<fn>[^\n]+)\n(?P<code>[^\n]*)')
+_LIBRARY_DIRS = tuple(
+    os.path.dirname(os.path.abspath(p)) + os.sep
+    for p in (torch.__file__, os.path.dirname(os.path.abspath(__file__)))
+)
+
+
+def source_location(node: torch.fx.Node) -> str | None:
+    """``"file.py:LINE in fn: code"`` of the innermost user frame of the node's stack trace
+    (frames inside torch and kiln are skipped), or ``None`` if PyTorch recorded none."""
+    trace = node.meta.get("stack_trace")
+    if not trace:
+        return None
+    user_frames = [m for m in _FRAME_RE.finditer(trace)
+                   if not os.path.abspath(m["file"]).startswith(_LIBRARY_DIRS)]
+    if not user_frames:
+        return None
+    m = user_frames[-1]
+    return f"{os.path.basename(m['file'])}:{m['line']} in {m['fn'].strip()}: {m['code'].strip()}"
+
+
+# ------------------------------------------------------------ node checking
+def _describe(x: Any) -> str:
+    if isinstance(x, torch.fx.Node):
+        return _describe(x.meta.get("val", f"%{x.name}"))
+    if isinstance(x, torch.Tensor):
+        dtype = kiln_dtype(x.dtype).short if has_kiln_dtype(x.dtype) else str(x.dtype)
+        return f"{dtype}[{', '.join(str(d) for d in x.shape)}]"
+    if isinstance(x, (list, tuple)):
+        return "[" + ", ".join(_describe(v) for v in x) + "]"
+    return repr(x)
+
+
+def describe_inputs(node: torch.fx.Node) -> str:
+    """The node's operands as text: tensors as kiln types (``f32[2, 8]``), others by repr."""
+    parts = [_describe(a) for a in node.args]
+    parts += [f"{k}={_describe(v)}" for k, v in node.kwargs.items()]
+    return ", ".join(parts)
+
+
+def _bad_value(val: Any) -> str | None:
+    """Why an example value (fake tensor, scalar, or nest of them) cannot enter kiln."""
+    if isinstance(val, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return ("the program has symbolic (dynamic) sizes; kiln supports only static shapes "
+                "today: export without dynamic_shapes, or use torch.compile(dynamic=False)")
+    if isinstance(val, torch.Tensor):
+        if any(isinstance(d, torch.SymInt) for d in val.shape):
+            return (f"the tensor has a symbolic shape {tuple(val.shape)}; kiln supports only "
+                    "static shapes today: export without dynamic_shapes, or use "
+                    "torch.compile(dynamic=False)")
+        if not has_kiln_dtype(val.dtype):
+            return f"dtype {val.dtype} has no kiln equivalent"
+        return None
+    if isinstance(val, (list, tuple)):
+        for v in val:
+            reason = _bad_value(v)
+            if reason:
+                return reason
+    return None
+
+
+def _bind(node: torch.fx.Node) -> list[Any]:
+    """The node's arguments in schema order, defaults filled in."""
+    schema = node.target._schema
+    bound = []
+    for i, arg in enumerate(schema.arguments):
+        if i < len(node.args) and not arg.kwarg_only:
+            bound.append(node.args[i])
+        elif arg.name in node.kwargs:
+            bound.append(node.kwargs[arg.name])
+        elif arg.has_default_value():
+            bound.append(arg.default_value)
+        else:
+            bound.append(None)
+    return bound
+
+
+def unsupported_reason(node: torch.fx.Node) -> str | None:
+    """``None`` when kiln can lower this FX node, else why not (shared by lowering and
+    :func:`is_supported`, so the fallback partitioner and capture always agree)."""
+    if node.op != "call_function":
+        return None
+    if node.target is operator.getitem:
+        source = node.args[0]
+        return unsupported_reason(source) if isinstance(source, torch.fx.Node) else None
+    if node.target in IGNORED_OPS:
+        return None
+    rule = rule_for(node.target)
+    if rule is None:
+        return "the op is not supported by kiln"
+    if "val" not in node.meta:
+        return ("the node has no example value (meta['val']); trace it with make_fx or "
+                "torch.export, or run FakeTensorProp first")
+    for value in [node.meta.get("val"), *(meta(a) for a in _flat_args(node))]:
+        reason = _bad_value(value)
+        if reason:
+            return reason
+    if rule.check is not None:
+        return rule.check(node, *_bind(node))
+    return None
+
+
+def _flat_args(node: torch.fx.Node) -> list[Any]:
+    return [a for a in pytree.tree_leaves((node.args, node.kwargs)) if isinstance(a, torch.fx.Node)]
+
+
+def is_supported(node: torch.fx.Node) -> bool:
+    """Whether kiln can lower this FX ``call_function`` node (attribute conditions and
+    static shapes included).  Placeholders, outputs and ``get_attr`` nodes are supported."""
+    return unsupported_reason(node) is None
+
+
+# --------------------------------------------------------------- lowering
+def _to_numpy(t: torch.Tensor) -> np.ndarray:
+    t = t.detach().cpu()
+    if t.dtype == torch.bfloat16:
+        return t.contiguous().view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return t.numpy()
+
+
+class _Lowerer:
+    """Lowers the call_function nodes of one FX graph into a kiln graph."""
+
+    def __init__(self, graph: Graph, fx_graph: torch.fx.Graph):
+        self.graph = graph
+        self.env: dict[torch.fx.Node, Any] = {}
+        self.live = _live_nodes(fx_graph)
+
+    def bind(self, node: torch.fx.Node, value: Value) -> None:
+        self.env[node] = value
+
+    def lower_all(self, fx_graph: torch.fx.Graph) -> None:
+        for node in fx_graph.nodes:
+            if node.op == "call_function":
+                self.lower(node)
+
+    def value(self, arg: Any) -> Any:
+        """An FX argument with nodes replaced by their kiln values (lists mapped through)."""
+        if isinstance(arg, torch.fx.Node):
+            return self.env[arg]
+        if isinstance(arg, (list, tuple)):
+            return type(arg)(self.value(a) for a in arg)
+        return arg
+
+    def lower(self, node: torch.fx.Node) -> None:
+        if node not in self.live:  # dead code (make_fx keeps it); every lowered op is pure
+            self.env[node] = None
+            return
+        loc = source_location(node)
+        reason = unsupported_reason(node)
+        if reason is not None:
+            raise UnsupportedOpError(str(node.target), describe_inputs(node), loc, reason)
+        if node.target in IGNORED_OPS:
+            self.env[node] = None
+            return
+        if node.target is operator.getitem:
+            self.env[node] = self._getitem(node, loc)
+            return
+        ctx = LoweringContext(self.graph, node, loc)
+        args = [self.value(a) for a in _bind(node)]
+        try:
+            result = rule_for(node.target).lower(ctx, *args)
+        except (OpTypeError, ValueError, TypeError) as e:
+            raise CaptureError(
+                f"kiln failed to lower ATen op {node.target}({describe_inputs(node)}): {e}\n"
+                f"  at {loc or '<unknown source line>'}\n  This is a kiln bug; please report it "
+                "with the op and operand types above.") from e
+        if isinstance(result, Value):
+            result = self._match_meta(node, result, node.meta.get("val"), loc)
+        self.env[node] = result
+
+    def _getitem(self, node: torch.fx.Node, loc: str | None) -> Value:
+        source, index = node.args
+        results = self.env[source]
+        entry = results[index]
+        if callable(entry) and not isinstance(entry, Value):
+            entry = entry()
+            results = list(results)
+            results[index] = entry
+            self.env[source] = tuple(results)
+        return self._match_meta(node, entry, node.meta.get("val"), loc)
+
+    def _match_meta(self, node: torch.fx.Node, value: Value, expected: Any, loc: str | None) -> Value:
+        """Check ``value`` against PyTorch's result; cast when only the dtype differs."""
+        if not isinstance(expected, torch.Tensor):
+            return value
+        want = tensor_type(expected)
+        if tuple(value.shape) != want.shape:
+            raise CaptureError(
+                f"kiln's lowering of ATen op {node.target}({describe_inputs(node)}) has type "
+                f"{value.type}, but PyTorch computes {want}\n  at {loc or '<unknown source line>'}"
+                "\n  This is a kiln bug; please report it.")
+        if value.dtype != want.dtype:
+            value = self.graph.op("cast", value, loc=loc, dtype=want.dtype)
+        return value
+
+    def output(self, node: torch.fx.Node, arg: Any, what: str) -> Value:
+        if not isinstance(arg, torch.fx.Node) or not isinstance(self.env.get(arg), Value):
+            raise UnsupportedOpError(
+                "output", _describe(arg), source_location(node),
+                f"{what} is {_describe(arg)}, not a tensor; kiln graphs return tensors only",
+                hint="Return only tensors from the captured function (wrap the model if needed).")
+        return self.env[arg]
+
+
+def _live_nodes(fx_graph: torch.fx.Graph) -> set[torch.fx.Node]:
+    """Nodes the output depends on."""
+    live: set[torch.fx.Node] = set()
+    for node in reversed(fx_graph.nodes):
+        if node.op == "output" or any(user in live for user in node.users):
+            live.add(node)
+    return live
+
+
+def _fresh(name: str, used: set[str]) -> str:
+    """A valid, unused kiln value name close to ``name``."""
+    base = re.sub(r"[^A-Za-z0-9_.]", "_", name)
+    if not re.match(r"^[A-Za-z_]", base):
+        base = "v_" + base
+    candidate, n = base, 0
+    while candidate in used:
+        n += 1
+        candidate = f"{base}_{n}"
+    used.add(candidate)
+    return candidate
+
+
+_STATIC_HINT = ("Capture with example inputs of exactly the shapes you will run; each new shape "
+                "needs a new capture.")
+
+
+def _placeholder_type(node: torch.fx.Node) -> TensorType:
+    val = node.meta.get("val")
+    reason = _bad_value(val)
+    if reason:
+        raise UnsupportedOpError("placeholder", _describe(val), None, f"input '{node.name}': {reason}",
+                                 hint=_STATIC_HINT)
+    return tensor_type(val)
+
+
+# -------------------------------------------------------------- entry points
+def capture_program(ep: torch.export.ExportedProgram, name: str = "main") -> Captured:
+    """Lower a decomposed exported program (see :func:`export_program`) to a kiln graph."""
+    from torch.export.graph_signature import InputKind, OutputKind
+
+    graph = Graph(name)
+    lowerer = _Lowerer(graph, ep.graph)
+    used: set[str] = set()
+    params: dict[str, torch.Tensor] = {}
+    input_names: list[str] = []
+    positions: list[int] = []
+    placeholders = [n for n in ep.graph.nodes if n.op == "placeholder"]
+    user_index = 0
+    for node, spec in zip(placeholders, ep.graph_signature.input_specs):
+        if spec.kind == InputKind.USER_INPUT:
+            if isinstance(node.meta.get("val"), torch.Tensor):
+                v = graph.add_input(_fresh(node.name, used), _placeholder_type(node))
+                lowerer.bind(node, v)
+                input_names.append(v.name)
+                positions.append(user_index)
+            user_index += 1
+        elif spec.kind in (InputKind.PARAMETER, InputKind.BUFFER):
+            persistent = spec.kind == InputKind.PARAMETER or spec.persistent
+            tensor = ep.state_dict[spec.target] if persistent else ep.constants[spec.target]
+            v = graph.add_param(_fresh(spec.target, used), _placeholder_type(node))
+            lowerer.bind(node, v)
+            params[v.name] = tensor
+        elif spec.kind == InputKind.CONSTANT_TENSOR:
+            data = _to_numpy(ep.constants[spec.target])
+            lowerer.bind(node, graph.add_constant(data, kiln_dtype(ep.constants[spec.target].dtype)))
+        else:
+            raise UnsupportedOpError("placeholder", _describe(node.meta.get("val")), None,
+                                     f"input '{node.name}' of kind {spec.kind.name} is not supported",
+                                     hint="Capture a model whose inputs are tensors, parameters and "
+                                     "buffers only.")
+    lowerer.lower_all(ep.graph)
+    out_node = next(n for n in ep.graph.nodes if n.op == "output")
+    outputs = []
+    for arg, spec in zip(out_node.args[0], ep.graph_signature.output_specs):
+        if spec.kind != OutputKind.USER_OUTPUT:
+            raise UnsupportedOpError(
+                str(getattr(arg, "target", "output")), _describe(arg), source_location(arg)
+                if isinstance(arg, torch.fx.Node) else None,
+                f"the program updates {spec.kind.name.lower()} '{spec.target}' in place",
+                hint="kiln compiles pure inference programs: call model.eval() and avoid in-place "
+                "updates of inputs and buffers.")
+        outputs.append(lowerer.output(out_node, arg, "an output"))
+    graph.set_outputs(outputs)
+    return Captured(graph, params, input_names, ep.call_spec.in_spec, ep.call_spec.out_spec,
+                    positions)
+
+
+def _ensure_meta(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> None:
+    """Fill ``node.meta["val"]`` by fake-tensor propagation when the tracer left it out."""
+    if all("val" in n.meta for n in gm.graph.nodes if n.op not in ("output", "get_attr")):
+        return
+    from torch._guards import detect_fake_mode
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    mode = detect_fake_mode(example_inputs) or FakeTensorMode(allow_non_fake_inputs=True)
+    FakeTensorProp(gm, mode).propagate(*example_inputs)
+
+
+def capture_fx(gm: torch.fx.GraphModule, example_inputs: list, *,
+               param_indices: set[int] | frozenset[int] = frozenset(), name: str = "main"
+               ) -> Captured:
+    """Lower an ATen-level FX graph whose placeholders are all tensors.
+
+    Placeholders at ``param_indices`` become graph params (``Captured.params`` maps their
+    names to ``example_inputs[i]`` itself), the others user inputs in placeholder order.
+    ``get_attr`` tensors become constants.  Outputs are the FX output's flattened values,
+    which must all be tensors.
+    """
+    _ensure_meta(gm, example_inputs)
+    graph = Graph(name)
+    lowerer = _Lowerer(graph, gm.graph)
+    used: set[str] = set()
+    params: dict[str, torch.Tensor] = {}
+    input_names: list[str] = []
+    positions: list[int] = []
+    index = 0
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            if not isinstance(node.meta.get("val"), torch.Tensor):
+                raise UnsupportedOpError("placeholder", _describe(node.meta.get("val")), None,
+                                         f"input '{node.name}' is not a tensor",
+                                         hint="Pass an FX graph whose placeholders are all tensors.")
+            if index in param_indices:
+                v = graph.add_param(_fresh(node.name, used), _placeholder_type(node))
+                params[v.name] = example_inputs[index]
+            else:
+                v = graph.add_input(_fresh(node.name, used), _placeholder_type(node))
+                input_names.append(v.name)
+                positions.append(index)
+            lowerer.bind(node, v)
+            index += 1
+        elif node.op == "get_attr":
+            attr = operator.attrgetter(node.target)(gm)
+            if not isinstance(attr, torch.Tensor):
+                raise UnsupportedOpError("get_attr", repr(attr), None,
+                                         f"attribute '{node.target}' is not a tensor",
+                                         hint="Pass an ATen-level graph (make_fx / aot_export).")
+            lowerer.bind(node, graph.add_constant(_to_numpy(attr), kiln_dtype(attr.dtype)))
+        elif node.op == "call_function":
+            lowerer.lower(node)
+        elif node.op == "output":
+            flat = pytree.tree_leaves(node.args[0], is_leaf=lambda x: x is None)
+            graph.set_outputs([lowerer.output(node, a, f"output {i}") for i, a in enumerate(flat)])
+        else:
+            raise UnsupportedOpError(node.op, str(node.target), source_location(node),
+                                     f"FX node kind '{node.op}' is not supported",
+                                     hint="Pass an ATen-level graph (make_fx / aot_export).")
+    return Captured(graph, params, input_names, None, None, positions)
+
+
+def capture(model: torch.nn.Module, example_inputs: Sequence[Any],
+            example_kwargs: dict | None = None) -> Captured:
+    """Export ``model`` on the example inputs and lower it: ``capture_program(export_program(...))``."""
+    return capture_program(export_program(model, tuple(example_inputs), example_kwargs))
