@@ -1,1 +1,12 @@
-"""kiln.compiler."""
+"""From PyTorch to kiln: capture, fallback partitioning, the torch.compile backend, the API.
+
+The public entry points are re-exported by :mod:`kiln`: ``kiln.compile`` and ``kiln.capture``
+(:mod:`kiln.compiler.api`), and the ``"kiln"`` backend of ``torch.compile``
+(:mod:`kiln.compiler.dynamo`).
+"""
+
+from .api import compile
+from .errors import UnsupportedOpError
+from .fallback import KilnFallbackWarning
+
+__all__ = ["KilnFallbackWarning", "UnsupportedOpError", "compile"]

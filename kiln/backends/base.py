@@ -1,0 +1,157 @@
+"""The backend protocol and registry.
+
+A backend turns a graph into an *executable*::
+
+    exe = get_backend("reference").build(graph, {"float64": False})
+    outputs = exe([*user_inputs, *params])      # torch tensors in, torch tensors out
+
+The executable receives the graph's user inputs then its parameters, in graph order, as
+torch tensors, and returns one torch tensor per graph output, with the graph's declared
+shapes and dtypes.  It does not check its inputs: :class:`kiln.runtime.CompiledModule` does
+that before calling it.
+
+Backends register a zero-argument factory under a name, so a backend's heavy imports
+(a C compiler driver, Triton) happen only when it is first asked for::
+
+    register_backend("cpu", lambda: CpuBackend())
+
+Each backend declares its options with their defaults in ``option_defaults``; unknown
+options are rejected with the list of known ones.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, ClassVar, Protocol
+
+import numpy as np
+import torch
+
+from kiln.ir import Graph, KilnError
+from kiln.runtime.tensors import from_numpy, to_numpy
+
+DEFAULT_BACKEND = "reference"
+"""The backend :func:`kiln.compile` and ``torch.compile(backend="kiln")`` use by default."""
+
+
+class BackendError(KilnError):
+    """An unknown backend or option, or a graph a backend cannot build."""
+
+
+class Executable(Protocol):
+    """What :meth:`Backend.build` returns."""
+
+    def __call__(self, args: Sequence[torch.Tensor]) -> list[torch.Tensor]: ...
+
+
+class Backend:
+    """Base class of backends: a ``name``, declared options, and :meth:`build`."""
+
+    name: ClassVar[str] = ""
+    option_defaults: ClassVar[Mapping[str, Any]] = {}
+
+    def build(self, graph: Graph, options: Mapping[str, Any] | None = None) -> Executable:
+        """Compile ``graph``; the result runs it on torch tensors (see the module docstring)."""
+        raise NotImplementedError
+
+    def resolve_options(self, options: Mapping[str, Any] | None) -> dict[str, Any]:
+        """``option_defaults`` updated with ``options``; unknown names raise BackendError."""
+        options = dict(options or {})
+        unknown = sorted(set(options) - set(self.option_defaults))
+        if unknown:
+            known = ", ".join(f"{k}={v!r}" for k, v in self.option_defaults.items()) or "none"
+            raise BackendError(
+                f"kiln backend '{self.name}' has no option(s) {', '.join(unknown)}; its options "
+                f"(with defaults) are: {known}"
+            )
+        return {**self.option_defaults, **options}
+
+    def __repr__(self) -> str:
+        return f"<kiln backend '{self.name}'>"
+
+
+BackendFactory = Callable[[], Backend]
+_FACTORIES: dict[str, BackendFactory] = {}
+
+
+def register_backend(name: str, factory: BackendFactory) -> None:
+    """Register ``factory`` (called with no arguments) as the backend ``name``."""
+    if not name or not callable(factory):
+        raise ValueError("register_backend needs a non-empty name and a callable factory")
+    if name in _FACTORIES and _FACTORIES[name] is not factory:
+        raise BackendError(f"kiln backend '{name}' is already registered")
+    _FACTORIES[name] = factory
+
+
+def get_backend(name: str | Backend) -> Backend:
+    """The backend registered as ``name`` (a :class:`Backend` instance passes through)."""
+    if isinstance(name, Backend):
+        return name
+    try:
+        factory = _FACTORIES[name]
+    except (KeyError, TypeError):
+        known = ", ".join(sorted(_FACTORIES)) or "none"
+        raise BackendError(f"unknown kiln backend {name!r}; known backends: {known}") from None
+    return factory()
+
+
+def available_backends() -> list[str]:
+    """Names of the registered backends, sorted."""
+    return sorted(_FACTORIES)
+
+
+# --------------------------------------------------------------------------- reference
+
+
+class ReferenceBackend(Backend):
+    """Runs the graph op by op with each op's numpy reference implementation (CPU only).
+
+    Option ``float64``: compute every floating-point op in float64 and round each output
+    to its declared dtype once at the end (a high-precision oracle for tests).
+    """
+
+    name: ClassVar[str] = "reference"
+    option_defaults: ClassVar[Mapping[str, Any]] = {"float64": False}
+
+    def build(self, graph: Graph, options: Mapping[str, Any] | None = None) -> Executable:
+        opts = self.resolve_options(options)
+        dynamic = [v for v in (*graph.inputs, *graph.params) if not v.type.is_static]
+        if dynamic:
+            raise BackendError(
+                f"kiln backend 'reference' runs static shapes only; %{dynamic[0].name} has type "
+                f"{dynamic[0].type}; capture with concrete example inputs"
+            )
+        return ReferenceExecutable(graph, float64=bool(opts["float64"]))
+
+
+class ReferenceExecutable:
+    """A graph bound to :func:`kiln.backends.reference.run_graph`."""
+
+    def __init__(self, graph: Graph, *, float64: bool = False):
+        from kiln.backends.reference import run_graph  # noqa: PLC0415 (kept out of import time)
+
+        self.graph = graph
+        self.float64 = float64
+        self._run_graph = run_graph
+        self._num_inputs = len(graph.inputs)
+        self._num_args = len(graph.inputs) + len(graph.params)
+        self._output_dtypes = [v.dtype.numpy for v in graph.outputs]
+
+    def __call__(self, args: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        if len(args) != self._num_args:
+            raise BackendError(
+                f"graph @{self.graph.name} takes {self._num_inputs} inputs and "
+                f"{self._num_args - self._num_inputs} params, got {len(args)} tensors"
+            )
+        arrays = [to_numpy(t) for t in args]
+        results = self._run_graph(self.graph, arrays[: self._num_inputs], arrays[self._num_inputs:],
+                                  float64=self.float64)
+        return [from_numpy(_as_dtype(r, dt)) for r, dt in zip(results, self._output_dtypes)]
+
+
+def _as_dtype(result: Any, dtype: np.dtype) -> np.ndarray:
+    arr = np.asarray(result)
+    return arr if arr.dtype == dtype else arr.astype(dtype)
+
+
+register_backend(ReferenceBackend.name, ReferenceBackend)

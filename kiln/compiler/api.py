@@ -1,0 +1,267 @@
+"""The public entry points: :func:`compile` and :func:`capture`.
+
+``kiln.compile(model, example_inputs)`` exports the model with ``torch.export`` and kiln's
+decomposition table, then
+
+* when kiln supports every ATen node: captures the whole program into one kiln graph, runs
+  the optional ``passes`` over it and builds it with the backend;
+* otherwise: with ``strict=True`` raises the first node's
+  :class:`~kiln.compiler.errors.UnsupportedOpError`; by default runs the exported graph with
+  its supported partitions compiled by kiln and the rest in PyTorch, and warns once
+  (:class:`~kiln.compiler.fallback.KilnFallbackWarning`), exactly as
+  ``torch.compile(backend="kiln")`` does.
+
+Either way the result is a :class:`~kiln.runtime.CompiledModule`: called like the model,
+checks its inputs first, reads the model's live parameters at every call, and returns the
+model's output structure.  It is an inference module: outputs never require grad.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch.export import ExportedProgram
+from torch.export.graph_signature import InputKind, OutputKind
+
+from kiln.backends import DEFAULT_BACKEND, Backend, get_backend
+from kiln.ir import Graph, KilnError
+from kiln.runtime import CompiledModule, InputSlot, tensor_type
+
+from . import capture as capture_mod
+from .errors import CaptureError, UnsupportedOpError
+from .fallback import CompiledFx, GraphTransform, compile_fx, unsupported_nodes
+
+
+def compile(model_or_function: torch.nn.Module | Callable[..., Any], example_inputs: Any,
+            backend: str | Backend = DEFAULT_BACKEND, *, passes: Any = None, strict: bool = False,
+            example_kwargs: Mapping[str, Any] | None = None, **options: Any) -> CompiledModule:
+    """Compile a module or function for inference with kiln (see the module docstring).
+
+    Args:
+        model_or_function: an ``nn.Module`` (put it in eval mode first) or a plain function
+            of tensors.
+        example_inputs: the positional arguments (a tuple; a single tensor is accepted).
+            Shapes and dtypes are fixed by them; non-tensor arguments are specialized.
+        backend: a registered backend name (``kiln.backends.available_backends()``) or a
+            :class:`~kiln.backends.Backend` instance.
+        passes: ``None``, a pass pipeline text such as ``"cse,dce"``, a sequence of passes,
+            or any object whose ``run(graph)`` returns a Graph or a result with ``.graph``.
+        strict: raise :class:`UnsupportedOpError` instead of running unsupported ops in
+            PyTorch.
+        example_kwargs: keyword arguments of the example call.
+        **options: options of the backend, e.g. ``float64=True`` for ``"reference"``.
+    """
+    module = as_module(model_or_function)
+    args = as_args(example_inputs)
+    kwargs = dict(example_kwargs or {})
+    builder = get_backend(backend)
+    builder.resolve_options(options)  # reject unknown options before the slow export
+    transform = resolve_passes(passes)
+    ep = capture_mod.export_program(module, args, kwargs)
+    name = _model_name(model_or_function)
+    if strict:  # capture raises the first unsupported node's UnsupportedOpError
+        return _compile_whole(ep, args, kwargs, builder, options, transform, name)
+    if not unsupported_nodes(ep.graph_module):
+        try:
+            return _compile_whole(ep, args, kwargs, builder, options, transform, name)
+        except (UnsupportedOpError, CaptureError):
+            pass  # e.g. an in-place buffer update, which the fallback runner applies
+    return _compile_with_fallback(module, ep, args, kwargs, builder, options, transform, name)
+
+
+def capture(model: torch.nn.Module | Callable[..., Any], example_inputs: Any,
+            example_kwargs: Mapping[str, Any] | None = None) -> Graph:
+    """The kiln graph of ``model`` on the example inputs. Always strict: an ATen op kiln
+    cannot lower raises :class:`UnsupportedOpError` naming the op and the source line."""
+    captured = capture_mod.capture(as_module(model), as_args(example_inputs), dict(example_kwargs or {}))
+    return captured.graph
+
+
+# ------------------------------------------------------------------ arguments
+
+
+class _FunctionModule(torch.nn.Module):
+    """A plain function as a module; its signature stays visible to ``torch.export``."""
+
+    def __init__(self, fn: Callable[..., Any]):
+        super().__init__()
+        self.forward = fn  # an instance attribute keeps the function's own parameter names
+
+
+def as_module(model_or_function: Any) -> torch.nn.Module:
+    """The model itself, or a plain callable wrapped in a parameterless module."""
+    if isinstance(model_or_function, torch.nn.Module):
+        return model_or_function
+    if callable(model_or_function):
+        return _FunctionModule(model_or_function)
+    raise TypeError(
+        f"kiln.compile expects an nn.Module or a function, got {type(model_or_function).__name__}")
+
+
+def as_args(example_inputs: Any) -> tuple[Any, ...]:
+    """Example positional arguments as a tuple (a lone tensor becomes a 1-tuple)."""
+    if isinstance(example_inputs, tuple):
+        return example_inputs
+    if isinstance(example_inputs, list):
+        return tuple(example_inputs)
+    if isinstance(example_inputs, torch.Tensor):
+        return (example_inputs,)
+    raise TypeError(
+        f"example_inputs must be a tuple of positional arguments (or one tensor), got "
+        f"{type(example_inputs).__name__}; pass keyword arguments as example_kwargs"
+    )
+
+
+def _model_name(model_or_function: Any) -> str:
+    """The class or function name, as a valid graph name (``<lambda>`` -> ``_lambda_``)."""
+    if isinstance(model_or_function, torch.nn.Module):
+        name = type(model_or_function).__name__
+    else:
+        name = getattr(model_or_function, "__name__", "function")
+    return re.sub(r"[^A-Za-z0-9_]", "_", name)
+
+
+def resolve_passes(passes: Any) -> GraphTransform | None:
+    """Turn the ``passes`` argument into ``Graph -> Graph`` (``None`` when there are none).
+
+    Text and sequences become a :class:`kiln.passes.manager.PassManager`; any other object
+    must have ``run(graph)`` returning a Graph or a result with ``.graph``.
+    """
+    if passes is None:
+        return None
+    if isinstance(passes, (str, list, tuple)):
+        try:
+            from kiln.passes.manager import PassManager
+        except ImportError as e:
+            raise KilnError(
+                f"kiln: pass pipelines given as text or lists need kiln.passes.manager ({e}); "
+                "pass an object with .run(graph) instead"
+            ) from e
+        passes = PassManager(passes)
+    run = getattr(passes, "run", None)
+    if not callable(run):
+        raise TypeError(f"passes must be pipeline text, a list of passes or an object with .run(graph); "
+                        f"got {type(passes).__name__}")
+
+    def transform(graph: Graph) -> Graph:
+        result = run(graph)
+        return result if isinstance(result, Graph) else result.graph
+
+    return transform
+
+
+# ------------------------------------------------------------------ pipelines
+
+
+def _flat_user_inputs(ep: ExportedProgram, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+    """The example ``(args, kwargs)`` flattened as the exported program's ``in_spec`` orders them."""
+    in_spec = ep.call_spec.in_spec
+    order = tuple(in_spec.children()[1].context or ()) if in_spec is not None else tuple(kwargs)
+    return pytree.tree_leaves((args, {k: kwargs[k] for k in order}))
+
+
+def _input_slots(ep: ExportedProgram, args: tuple[Any, ...], kwargs: dict[str, Any],
+                 tensor_types: Mapping[int, Any]) -> list[InputSlot]:
+    """One slot per flattened user input; ``tensor_types`` maps flat positions of tensors to
+    their expected types, every other input is a specialized constant."""
+    names = [s.arg.name for s in ep.graph_signature.input_specs if s.kind == InputKind.USER_INPUT]
+    flat = _flat_user_inputs(ep, args, kwargs)
+    if len(names) != len(flat):
+        names = [f"input{i}" for i in range(len(flat))]
+    return [InputSlot(name, tensor_types[i]) if i in tensor_types else InputSlot(name, None, value)
+            for i, (name, value) in enumerate(zip(names, flat))]
+
+
+def _compile_whole(ep: ExportedProgram, args: tuple[Any, ...], kwargs: dict[str, Any], backend: Backend,
+                   options: dict[str, Any], transform: GraphTransform | None,
+                   name: str) -> CompiledModule:
+    captured = capture_mod.capture_program(ep, name=name)  # raises on the first unsupported op
+    graph = transform(captured.graph) if transform is not None else captured.graph
+    missing = [v.name for v in graph.params if v.name not in captured.params]
+    if missing:
+        raise KilnError(f"kiln internal error: graph @{graph.name} names params {missing} the capture "
+                        "did not provide")
+    if len(graph.inputs) != len(captured.input_positions):
+        raise KilnError(f"kiln internal error: the passes changed the inputs of graph @{graph.name}")
+    types = dict(zip(captured.input_positions, (v.type for v in graph.inputs)))
+    slots = _input_slots(ep, args, kwargs, types)
+    executable = backend.build(graph, options)
+    params = [captured.params[v.name] for v in graph.params]
+    return CompiledModule(executable, inputs=slots, params=params,
+                          in_spec=ep.call_spec.in_spec, out_spec=ep.call_spec.out_spec, graphs=[graph],
+                          backend=backend.name, name=name, info={"fallback_ops": {}, "torch_nodes": 0})
+
+
+def _state_tensor(module: torch.nn.Module, ep: ExportedProgram, target: str) -> torch.Tensor:
+    """The live tensor behind a lifted parameter, buffer or constant of the exported program."""
+    for getter in (module.get_parameter, module.get_buffer):
+        try:
+            return getter(target)
+        except AttributeError:
+            continue
+    if target in ep.state_dict:
+        return ep.state_dict[target]
+    return ep.constants[target]
+
+
+class _ProgramRunner:
+    """Runs an exported graph module compiled with fallback, in the CompiledModule convention.
+
+    Takes the user tensors then the parameters; fills in specialized non-tensor inputs,
+    applies buffer mutations to the live buffers, and returns only the user outputs.
+    """
+
+    def __init__(self, compiled: CompiledFx, slots: Sequence[InputSlot], placeholders: int,
+                 user_positions: Sequence[int], param_positions: Sequence[int],
+                 user_outputs: Sequence[int], mutated: Sequence[tuple[int, torch.Tensor]]):
+        self.compiled = compiled
+        self.slots = list(slots)
+        self.placeholders = placeholders
+        self.user_positions = list(user_positions)
+        self.param_positions = list(param_positions)
+        self.user_outputs = list(user_outputs)
+        self.mutated = list(mutated)
+
+    def __call__(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        values: list[Any] = [None] * self.placeholders
+        it = iter(tensors)
+        for pos, slot in zip(self.user_positions, self.slots):
+            values[pos] = next(it) if slot.is_tensor else slot.value
+        for pos in self.param_positions:
+            values[pos] = next(it)
+        outputs = self.compiled(*values)
+        for index, buffer in self.mutated:
+            buffer.copy_(outputs[index])
+        return [outputs[i] for i in self.user_outputs]
+
+
+def _compile_with_fallback(module: torch.nn.Module, ep: ExportedProgram, args: tuple[Any, ...],
+                           kwargs: dict[str, Any], backend: Backend, options: dict[str, Any],
+                           transform: GraphTransform | None, name: str) -> CompiledModule:
+    specs = ep.graph_signature.input_specs
+    user_positions = [i for i, s in enumerate(specs) if s.kind == InputKind.USER_INPUT]
+    param_positions = [i for i, s in enumerate(specs) if s.kind != InputKind.USER_INPUT]
+    params = [_state_tensor(module, ep, specs[i].target) for i in param_positions]
+    flat = _flat_user_inputs(ep, args, kwargs)
+    example: list[Any] = [None] * len(specs)
+    for pos, value in zip(user_positions, flat):
+        example[pos] = value
+    for pos, tensor in zip(param_positions, params):
+        example[pos] = tensor
+    compiled = compile_fx(ep.graph_module, example, param_indices=frozenset(param_positions),
+                          backend=backend, options=options, strict=False, transform=transform, name=name)
+    slots = _input_slots(ep, args, kwargs, {i: tensor_type(v) for i, v in enumerate(flat)
+                                            if isinstance(v, torch.Tensor)})
+    out_specs = ep.graph_signature.output_specs
+    user_outputs = [i for i, s in enumerate(out_specs) if s.kind == OutputKind.USER_OUTPUT]
+    mutated = [(i, _state_tensor(module, ep, s.target)) for i, s in enumerate(out_specs)
+               if s.kind == OutputKind.BUFFER_MUTATION]
+    runner = _ProgramRunner(compiled, slots, len(specs), user_positions, param_positions, user_outputs,
+                            mutated)
+    return CompiledModule(runner, inputs=slots, params=params, in_spec=ep.call_spec.in_spec,
+                          out_spec=ep.call_spec.out_spec, graphs=compiled.graphs, backend=backend.name,
+                          name=name, info=compiled.info)

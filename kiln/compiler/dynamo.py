@@ -1,0 +1,228 @@
+"""``torch.compile(model, backend="kiln")``: kiln as a TorchDynamo backend.
+
+Dynamo hands :func:`kiln_backend` a torch-level FX graph whose placeholders are the frame's
+tensors, parameters and buffers included (``inline_inbuilt_nn_modules``), with real example
+tensors.  kiln lowers it to ATen with ``make_fx`` and kiln's decomposition table
+(functionalized, so in-place ops become out-of-place ones plus a final copy), marks the
+parameter/buffer placeholders, and compiles it with per-op fallback
+(:func:`kiln.compiler.fallback.compile_fx`).
+
+Options travel through ``torch.compile(..., options={...})``, which Dynamo forwards to the
+backend as one keyword argument ``options`` (and ``mode`` as ``mode=``, ignored here)::
+
+    torch.compile(model, backend="kiln", options={"strict": True, "backend": "reference",
+                                                  "passes": "cse,dce", "float64": False})
+
+``strict`` raises :class:`~kiln.compiler.errors.UnsupportedOpError` instead of falling back;
+``backend`` picks the kiln backend; ``passes`` is a pass pipeline; every other key is an
+option of that backend (unknown keys raise).
+
+Graphs kiln cannot compile yet run eagerly, with one :class:`KilnFallbackWarning` each:
+graphs that need gradients (grad mode on and an input, e.g. a parameter, requiring grad --
+call the model under ``torch.no_grad()`` or ``torch.inference_mode()``) and graphs with
+dynamic shapes (pass ``dynamic=False``).
+
+The backend is registered under the name ``kiln`` in two ways: the ``torch_dynamo_backends``
+entry point of the installed package, and :func:`install_registration` (run by
+``import kiln``), which registers it as soon as ``torch._dynamo`` is imported, so a source
+tree that is not installed works too.  Importing kiln does not import ``torch._dynamo``.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import re
+import sys
+import warnings
+from collections.abc import Callable, Sequence
+from types import ModuleType
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.fx.traceback as fx_traceback
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from kiln.backends import DEFAULT_BACKEND, get_backend
+from kiln.ir import KilnError
+
+from . import capture as capture_mod
+from .api import resolve_passes
+from .fallback import KilnFallbackWarning, compile_fx
+
+BACKEND_NAME = "kiln"
+_PARAM_NAME_RE = re.compile(r"_(parameters|buffers)_")
+
+
+def kiln_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Callable[..., Any]:
+    """The Dynamo backend: returns a callable taking the graph's inputs (see module docstring)."""
+    options = dict(kwargs.get("options") or {})
+    strict = bool(options.pop("strict", False))
+    backend = get_backend(options.pop("backend", DEFAULT_BACKEND))
+    transform = resolve_passes(options.pop("passes", None))
+    backend.resolve_options(options)  # unknown options fail before any tracing
+    name = _graph_name(gm)
+    reason = _eager_reason(example_inputs)
+    if reason is not None:
+        if strict:
+            raise KilnError(f"kiln: cannot compile graph '{name}' with strict=True: {reason}")
+        warnings.warn(f"kiln: graph '{name}' runs eagerly in PyTorch: {reason}", KilnFallbackWarning,
+                      stacklevel=2)
+        return gm.forward
+    aten_gm = lower_to_aten(gm, example_inputs)
+    return compile_fx(aten_gm, list(example_inputs), param_indices=param_indices(gm, example_inputs),
+                      backend=backend, options=options, strict=strict, transform=transform, name=name)
+
+
+def _graph_name(gm: fx.GraphModule) -> str:
+    """``dynamo_<frame>_<recompile>`` from Dynamo's compile id, e.g. ``dynamo_0_0``."""
+    compile_id = getattr(gm, "meta", {}).get("dynamo_compile_id")
+    return "dynamo_" + re.sub(r"[^A-Za-z0-9]+", "_", str(compile_id)) if compile_id else "dynamo"
+
+
+def _eager_reason(example_inputs: Sequence[Any]) -> str | None:
+    """Why kiln cannot compile a graph with these inputs yet, or ``None``."""
+    if any(not isinstance(x, torch.Tensor) for x in example_inputs):
+        return ("it has symbolic-size inputs (dynamic shapes), and kiln compiles static shapes only; "
+                "pass dynamic=False to torch.compile")
+    if torch.is_grad_enabled() and any(x.requires_grad for x in example_inputs):
+        return ("it needs gradients (grad mode is on and an input or parameter requires grad) and "
+                "kiln has no autodiff yet; call the model under torch.no_grad() or "
+                "torch.inference_mode() to run it with kiln")
+    return None
+
+
+def param_indices(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> frozenset[int]:
+    """Positions of the placeholders that are parameters or buffers of a module."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    found = set()
+    for i, (node, value) in enumerate(zip(placeholders, example_inputs)):
+        if isinstance(value, torch.nn.Parameter) or _from_module_state(node) \
+                or _PARAM_NAME_RE.search(str(node.target)):
+            found.add(i)
+    return frozenset(found)
+
+
+def _from_module_state(node: fx.Node) -> bool:
+    """Whether Dynamo's source of this placeholder is a module's parameter or buffer dict."""
+    source = getattr(node.meta.get("grapharg"), "source", None)
+    while source is not None:
+        if "ParamBuffer" in type(source).__name__:
+            return True
+        source = getattr(source, "base", None)
+    return False
+
+
+def lower_to_aten(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor]) -> fx.GraphModule:
+    """Trace a torch-level FX graph to a functional ATen graph with kiln's decompositions.
+
+    Node metadata (``stack_trace``) is carried over so fallback warnings and errors name the
+    user's source lines.
+    """
+    def run(*args: torch.Tensor) -> Any:
+        return fx.Interpreter(gm).run(*args)
+
+    functional = torch.func.functionalize(run, remove="mutations")
+    with fx_traceback.preserve_node_meta(), torch.no_grad():
+        traced = make_fx(functional, decomposition_table=capture_mod.decomposition_table(),
+                         tracing_mode="real")(*example_inputs)
+    traced.graph.eliminate_dead_code()
+    _name_placeholders_like(traced, gm)
+    traced.recompile()
+    return traced
+
+
+def readable_name(dynamo_name: str) -> str:
+    """``L_self_modules_fc1_parameters_weight_`` -> ``fc1.weight``; ``L_x_`` -> ``x``."""
+    name = re.sub(r"^L_+|_+$", "", dynamo_name)
+    name = re.sub(r"_(modules|parameters|buffers)_", ".", name)
+    return re.sub(r"^(self|fn)\.", "", name) or dynamo_name
+
+
+def _name_placeholders_like(traced: fx.GraphModule, source: fx.GraphModule) -> None:
+    """Give make_fx's ``argN_1`` placeholders readable names from Dynamo's (FX sanitizes
+    them into identifiers, so ``fc1.weight`` becomes ``fc1_weight``)."""
+    rename = getattr(fx.Node, "_rename", None)
+    if rename is None:  # names are cosmetic; keep make_fx's on a torch without it
+        return
+    originals = [n for n in source.graph.nodes if n.op == "placeholder"]
+    traced_inputs = [n for n in traced.graph.nodes if n.op == "placeholder"]
+    for node, original in zip(traced_inputs, originals):
+        rename(node, readable_name(str(original.target)))
+
+
+# ---------------------------------------------------------------- registration
+
+
+def register() -> None:
+    """Register :func:`kiln_backend` with Dynamo as ``"kiln"`` (idempotent; imports Dynamo)."""
+    from importlib.metadata import EntryPoint
+
+    from torch._dynamo.backends import registry
+
+    if isinstance(getattr(registry, "_BACKENDS", {}).get(BACKEND_NAME), EntryPoint):
+        return  # Dynamo found the installed entry point and registers kiln when it loads it
+    try:
+        registry.register_backend(kiln_backend, name=BACKEND_NAME)
+    except AssertionError:  # Dynamo's "duplicate name": already registered (e.g. entry point)
+        pass
+
+
+def _register_quietly() -> None:
+    try:
+        register()
+    except Exception as e:  # noqa: BLE001 - never break torch's import because of kiln
+        warnings.warn(f"kiln: could not register the torch.compile backend 'kiln': {e}", stacklevel=2)
+
+
+class _RegisterAfterImport(importlib.abc.MetaPathFinder):
+    """Finds nothing itself; wraps the loader of ``torch._dynamo`` to register kiln after it."""
+
+    def find_spec(self, fullname: str, path: Any, target: ModuleType | None = None) -> Any:
+        if fullname != "torch._dynamo":
+            return None
+        _remove_hook()
+        for finder in sys.meta_path:
+            find = getattr(finder, "find_spec", None)
+            spec = find(fullname, path, target) if find else None
+            if spec is not None:
+                if spec.loader is not None:
+                    spec.loader = _RegisteringLoader(spec.loader)
+                return spec
+        return None
+
+
+class _RegisteringLoader(importlib.abc.Loader):
+    def __init__(self, loader: Any):
+        self._loader = loader
+
+    def create_module(self, spec: Any) -> ModuleType | None:
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        self._loader.exec_module(module)
+        _register_quietly()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._loader, name)
+
+
+_HOOK: _RegisterAfterImport | None = None
+
+
+def _remove_hook() -> None:
+    global _HOOK
+    if _HOOK is not None and _HOOK in sys.meta_path:
+        sys.meta_path.remove(_HOOK)
+    _HOOK = None
+
+
+def install_registration() -> None:
+    """Make ``torch.compile(backend="kiln")`` work without importing Dynamo now."""
+    global _HOOK
+    if "torch._dynamo" in sys.modules:
+        _register_quietly()
+        return
+    if _HOOK is None:
+        _HOOK = _RegisterAfterImport()
+        sys.meta_path.insert(0, _HOOK)

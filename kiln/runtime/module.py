@@ -1,0 +1,242 @@
+"""The compiled module: checks inputs, runs a backend's executable, restores output structure.
+
+Guarantees of :class:`CompiledModule`:
+
+* Inputs are flattened with the pytree spec of the example inputs and checked *before*
+  anything runs: argument structure and keyword names, tensor-ness, dtype, rank and shape
+  against the graph's input types, and equality of non-tensor inputs (kiln specializes
+  them at compile time).  A mismatch raises :class:`InputMismatchError` saying which input,
+  what was expected, what was given and how to go on.
+* Parameters are referenced, not copied: the module holds the model's live tensors and reads
+  them at every call, so in-place updates of the weights are seen.  (Rebinding a module
+  attribute to a new tensor object is not; recompile then.)
+* Outputs are torch tensors, unflattened with the output spec, so tuples, dicts and
+  Hugging Face ``ModelOutput`` objects come back as in eager mode.  Outputs never require
+  grad: compiled modules are for inference.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+from kiln.ir import Graph, KilnError, TensorType
+
+from .tensors import describe, kiln_dtype
+
+_HOW_TO_GO_ON = "recompile with new example_inputs or pass a matching tensor"
+
+
+class InputMismatchError(KilnError, TypeError):
+    """Inputs given to a compiled module do not match the ones it was compiled for."""
+
+
+@dataclass(frozen=True)
+class InputSlot:
+    """One leaf of the flattened ``(args, kwargs)``.
+
+    ``type`` is the expected tensor type of a graph input; for a non-tensor input that was
+    specialized at compile time it is ``None`` and ``value`` holds the example value.
+    """
+
+    name: str
+    type: TensorType | None
+    value: Any = None
+
+    @property
+    def is_tensor(self) -> bool:
+        return self.type is not None
+
+
+Executable = Callable[[Sequence[torch.Tensor]], list[torch.Tensor]]
+
+
+class CompiledModule:
+    """A model compiled by kiln; call it like the original model. See the module docstring.
+
+    Attributes: ``graph`` (the kiln IR), ``graphs`` (all kiln graphs, one per partition when
+    some ops fall back to PyTorch), ``backend`` (its name), ``stats`` (counters and timings).
+    """
+
+    def __init__(self, executable: Executable, *, inputs: Sequence[InputSlot],
+                 params: Sequence[torch.Tensor], in_spec: pytree.TreeSpec | None,
+                 out_spec: pytree.TreeSpec | None, graphs: Sequence[Graph], backend: str,
+                 name: str = "main", info: dict[str, Any] | None = None):
+        self.executable = executable
+        self.inputs = tuple(inputs)
+        self.params = list(params)
+        self.in_spec = in_spec
+        self.out_spec = out_spec
+        self.graphs = list(graphs)
+        self.backend = backend
+        self.name = name
+        self._info = dict(info or {})
+        self._calls = 0
+        self._total_s = 0.0
+        self._last_s = 0.0
+        self._kwarg_names = _kwarg_names(in_spec)
+
+    # ------------------------------------------------------------------ calling
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        flat = self._flatten(args, kwargs)
+        tensors = self._check(flat)
+        start = time.perf_counter()
+        with torch.no_grad():
+            outputs = self.executable([*tensors, *self.params])
+        self._last_s = time.perf_counter() - start
+        self._total_s += self._last_s
+        self._calls += 1
+        if self.out_spec is None:
+            return outputs[0] if len(outputs) == 1 else tuple(outputs)
+        return pytree.tree_unflatten(list(outputs), self.out_spec)
+
+    def _flatten(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+        if self.in_spec is None:
+            if kwargs:
+                raise InputMismatchError(
+                    f"kiln: {self.name} takes no keyword arguments, got {sorted(kwargs)}")
+            return self._check_count(list(args))
+        missing = [k for k in self._kwarg_names if k not in kwargs]
+        unexpected = sorted(set(kwargs) - set(self._kwarg_names))
+        if missing or unexpected:
+            raise InputMismatchError(
+                f"kiln: {self.name} was compiled with keyword arguments {list(self._kwarg_names)} "
+                f"but is called with {sorted(kwargs)} (missing {missing}, unexpected {unexpected}); "
+                "recompile with matching example_kwargs"
+            )
+        ordered = {k: kwargs[k] for k in self._kwarg_names}
+        flat, spec = pytree.tree_flatten((tuple(args), ordered))
+        if spec != self.in_spec:
+            self._structure_error(args, spec)
+        return flat
+
+    def _check_count(self, flat: list[Any]) -> list[Any]:
+        if len(flat) != len(self.inputs):
+            names = ", ".join(s.name for s in self.inputs)
+            raise InputMismatchError(
+                f"kiln: {self.name} expects {len(self.inputs)} input(s) ({names}) but got "
+                f"{len(flat)}; {_HOW_TO_GO_ON}"
+            )
+        return flat
+
+    def _structure_error(self, args: tuple[Any, ...], spec: pytree.TreeSpec) -> None:
+        expected_args, expected_kwargs = self.in_spec.children()
+        if len(args) != expected_args.num_children:
+            names = ", ".join(s.name for s in self.inputs[: expected_args.num_leaves])
+            raise InputMismatchError(
+                f"kiln: {self.name} expects {expected_args.num_children} positional input(s) "
+                f"({names}) but got {len(args)}; {_HOW_TO_GO_ON}"
+            )
+        given = spec.children()[0].children() + spec.children()[1].children()
+        leaf = 0
+        for expected, got in zip(expected_args.children() + expected_kwargs.children(), given):
+            if expected != got:
+                slot = self.inputs[leaf] if leaf < len(self.inputs) else None
+                if expected.is_leaf() and slot is not None and slot.is_tensor:
+                    raise InputMismatchError(
+                        f"kiln: input {leaf} ('{slot.name}') expects {slot.type} but got a nest "
+                        f"structured as {pytree.treespec_pprint(got)}; {_HOW_TO_GO_ON}")
+                raise InputMismatchError(
+                    f"kiln: the argument holding input {leaf} is structured as "
+                    f"{pytree.treespec_pprint(got)} but was compiled as "
+                    f"{pytree.treespec_pprint(expected)}; {_HOW_TO_GO_ON}")
+            leaf += expected.num_leaves
+        raise InputMismatchError(
+            f"kiln: {self.name} was compiled for inputs structured as "
+            f"{pytree.treespec_pprint(self.in_spec)} but got {pytree.treespec_pprint(spec)}; "
+            f"{_HOW_TO_GO_ON}"
+        )
+
+    def _check(self, flat: list[Any]) -> list[torch.Tensor]:
+        self._check_count(flat)
+        tensors: list[torch.Tensor] = []
+        for index, (slot, value) in enumerate(zip(self.inputs, flat)):
+            if slot.is_tensor:
+                _check_tensor(index, slot, value)
+                tensors.append(value)
+            elif not _same_constant(slot.value, value):
+                raise InputMismatchError(
+                    f"kiln: input {index} ('{slot.name}') was {slot.value!r} at compile time and "
+                    f"kiln specializes non-tensor inputs, but got {value!r}; recompile with new "
+                    "example_inputs"
+                )
+        return tensors
+
+    # ------------------------------------------------------------- inspection
+    @property
+    def graph(self) -> Graph:
+        """The kiln graph; when ops fell back to PyTorch there are several: see ``graphs``."""
+        if len(self.graphs) == 1:
+            return self.graphs[0]
+        if not self.graphs:
+            raise KilnError(f"kiln: {self.name} runs entirely in PyTorch; it has no kiln graph")
+        raise KilnError(
+            f"kiln: {self.name} was split into {len(self.graphs)} kiln graphs around ops that run in "
+            "PyTorch; use .graphs for the list"
+        )
+
+    @property
+    def stats(self) -> dict[str, Any]:
+        """Counters: graphs, nodes, op histogram, fallback ops, calls and run times (seconds)."""
+        histogram: dict[str, int] = {}
+        for g in self.graphs:
+            for op, count in g.op_histogram().items():
+                histogram[op] = histogram.get(op, 0) + count
+        return {
+            "backend": self.backend,
+            "graphs": len(self.graphs),
+            "nodes": sum(len(g.nodes) for g in self.graphs),
+            "ops": dict(sorted(histogram.items())),
+            "params": len(self.params),
+            **self._info,
+            "calls": self._calls,
+            "total_run_s": self._total_s,
+            "last_run_s": self._last_s,
+        }
+
+    def __repr__(self) -> str:
+        nodes = sum(len(g.nodes) for g in self.graphs)
+        return (f"<CompiledModule {self.name!r} backend={self.backend}: {len(self.graphs)} graph(s), "
+                f"{nodes} nodes, {len(self.params)} params>")
+
+
+def _kwarg_names(in_spec: pytree.TreeSpec | None) -> tuple[str, ...]:
+    """Keyword names of an ``(args, kwargs)`` spec, in the order they were flattened."""
+    if in_spec is None or in_spec.type is not tuple or in_spec.num_children != 2:
+        return ()
+    kwargs_spec = in_spec.children()[1]
+    return tuple(kwargs_spec.context or ())
+
+
+def _check_tensor(index: int, slot: InputSlot, value: Any) -> None:
+    expected = slot.type
+    assert expected is not None
+    ok = isinstance(value, torch.Tensor) and value.dim() == expected.rank
+    if ok:
+        try:
+            ok = kiln_dtype(value.dtype) == expected.dtype
+        except TypeError:
+            ok = False
+    if ok:
+        # symbolic dimensions match any size
+        ok = all(not isinstance(want, int) or want == got
+                 for want, got in zip(expected.shape, value.shape))
+    if not ok:
+        raise InputMismatchError(
+            f"kiln: input {index} ('{slot.name}') expects {expected} but got {describe(value)}; "
+            f"{_HOW_TO_GO_ON}"
+        )
+
+
+def _same_constant(expected: Any, got: Any) -> bool:
+    if type(expected) is not type(got):
+        return False
+    try:
+        return bool(expected == got)
+    except Exception:  # noqa: BLE001 - objects whose == is not a plain bool are never equal here
+        return expected is got
