@@ -108,7 +108,11 @@ class OpDef:
     """Exact operand count, or ``(min, max)`` with ``max=None`` for variadic ops."""
     traits: frozenset[str] = frozenset()
     """``elementwise``, ``commutative``, ``reduction``, ``view``, ``creation``, ``matmul``,
-    ``conv``, ``random`` (impure), ``composite`` (has a decomposition)."""
+    ``conv``, ``random`` (impure), ``composite`` (has a decomposition), ``normalization``
+    (reduces along axes and broadcasts back to the input shape: softmax, layer norm) and
+    ``pointwise`` (each result element reads only the operand elements at its position and
+    per-channel parameters, without numpy broadcasting: inference batch norm).  Fusion
+    groups ``normalization`` ops like reductions and ``pointwise`` ops like elementwise ones."""
     doc: str = ""
     # Rules added by later layers, all optional.
     vjp: Callable[..., Any] | None = None

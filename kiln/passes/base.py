@@ -21,6 +21,8 @@ A new pass::
 from __future__ import annotations
 
 import dataclasses
+import json
+import re
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -63,9 +65,16 @@ class Pass:
 def _fmt(v: Any) -> str:
     if isinstance(v, bool):
         return "true" if v else "false"
+    if v is None:
+        return "none"
     if isinstance(v, (list, tuple)):
         return "[" + ",".join(_fmt(x) for x in v) + "]"
+    if isinstance(v, str) and (not _BARE_STRING.fullmatch(v) or v.lower() in ("true", "false", "none")):
+        return json.dumps(v)  # pipeline text reads double-quoted strings back with JSON escapes
     return str(v)
+
+
+_BARE_STRING = re.compile(r"[A-Za-z_][A-Za-z0-9_.\-]*")
 
 
 _PASSES: dict[str, type[Pass]] = {}

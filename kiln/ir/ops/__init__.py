@@ -3,4 +3,4 @@
 One module per family; each op is declared once with :func:`kiln.ir.registry.defop`.
 """
 
-from . import creation, elementwise, layout, linalg, nn, reduction  # noqa: F401
+from . import creation, elementwise, fused, layout, linalg, nn, reduction  # noqa: F401

@@ -1,0 +1,166 @@
+"""Canonical forms: one spelling for each computation, so later passes match less variety.
+
+The rules:
+
+* Operands of commutative two-operand ops (trait ``commutative``) are ordered: constants
+  (graph constants and ``full`` results) second, otherwise by definition order (inputs,
+  params, constants, then node results in graph order).
+* Axis attributes are non-negative: ``dim``/``dims`` of the ops in :data:`AXIS_ATTRS` are
+  taken modulo the rank of the first operand; axis *sets* (reduction dims, flip dims) are
+  also sorted and deduplicated; ``select``'s ``index`` is made non-negative and ``slice``'s
+  ``start``/``end`` are clamped into ``[0, size]`` (static sizes only).
+* ``reshape`` and ``expand`` spell out their result shape (no ``-1``).
+* ``permute`` by the identity, and ``reshape``/``expand``/``slice`` results with the
+  operand's own shape, are removed.
+* ``sub(x, c)`` with a floating constant ``c`` becomes ``add(x, -c)`` (exact: IEEE
+  subtraction is addition of the negation), so it meets ``add``'s rewrites and CSE.
+
+Every rule keeps exact result types and values.  Idempotent.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import numpy as np
+
+from kiln.ir import Graph, Node, Value
+from kiln.passes.base import PassResult, register_pass
+from kiln.passes.pattern import (
+    FLOAT_DTYPES,
+    Builder,
+    Match,
+    PatternPass,
+    Rewrite,
+    any_value,
+    apply_patterns,
+    const,
+    constant_data,
+    is_constant,
+    op,
+    rewrite,
+)
+from kiln.passes.simplify import identity_permute, view_to_same_shape
+
+_REDUCTIONS = ("sum", "mean", "amax", "amin", "prod", "var", "any", "all")
+AXIS_ATTRS: dict[str, tuple[str, str]] = {
+    **{name: ("dims", "set") for name in _REDUCTIONS},
+    "flip": ("dims", "set"),
+    "permute": ("dims", "seq"),
+    "index": ("dims", "seq"),
+    **{name: ("dim", "axis") for name in (
+        "argmax", "argmin", "cumsum", "softmax", "log_softmax", "slice", "select", "cat",
+        "gather", "index_select")},
+}
+"""Op name -> (attribute, form): ``axis`` one axis (``None`` allowed), ``seq`` an ordered
+list of axes, ``set`` an unordered set of axes.  Axes count in the first operand's rank."""
+
+
+def _normal_axes(node: Node) -> dict[str, Any]:
+    """``node``'s attributes with axes, select index and slice bounds in canonical form."""
+    attrs = dict(node.attrs)
+    entry = AXIS_ATTRS.get(node.kind)
+    if entry is None or not node.inputs:
+        return attrs
+    key, form = entry
+    rank = max(node.inputs[0].type.rank, 1)
+    value = attrs.get(key)
+    if value is None:
+        return attrs
+    if form == "axis":
+        attrs[key] = value % rank
+    elif form == "seq":
+        attrs[key] = tuple(d % rank for d in value)
+    else:
+        attrs[key] = tuple(sorted({d % rank for d in value}))
+    if node.kind == "select":
+        size = node.inputs[0].shape[attrs["dim"]]
+        if isinstance(size, int) and size > 0:
+            attrs["index"] = attrs["index"] % size
+    if node.kind == "slice":
+        attrs.update(_clamped_slice(node.inputs[0].shape[attrs["dim"]], attrs))
+    return attrs
+
+
+def _clamped_slice(size: Any, attrs: dict[str, Any]) -> dict[str, int]:
+    if not isinstance(size, int) or attrs.get("step", 1) <= 0:
+        return {}
+    start, end = attrs["start"], attrs["end"]
+    start = min(max(start + size if start < 0 else start, 0), size)
+    end = min(max(end + size if end < 0 else end, 0), size)
+    return {"start": start, "end": max(end, start)}
+
+
+def _has_noncanonical_axes(v: Value) -> bool:
+    node = v.producer
+    return node is not None and _normal_axes(node) != node.attrs
+
+
+@rewrite(op(tuple(AXIS_ATTRS), where=_has_noncanonical_axes))
+def normalize_axes(m: Match, b: Builder) -> Value | Sequence[Value] | None:
+    node = m.root
+    new = b.node(node.kind, node.inputs, _normal_axes(node))
+    return new.outputs
+
+
+@rewrite(op(("reshape", "expand"), any_value("x"),
+            where=lambda v: v.type.is_static and tuple(v.producer.attrs["shape"]) != tuple(v.shape)))
+def explicit_view_shape(m: Match, b: Builder) -> Value | None:
+    return b.op(m.root.kind, m["x"], shape=tuple(m.value.shape))
+
+
+@rewrite(op("sub", any_value("x"), const("c", dtype=FLOAT_DTYPES)))
+def sub_const_to_add(m: Match, b: Builder) -> Value | None:
+    data = constant_data(m["c"], max_elements=1 << 16)
+    if data is None:
+        return None
+    negated = b.const(np.negative(data), dtype=m["c"].dtype)
+    out = b.op("add", m["x"], negated)
+    return out if out.type == m.value.type else None
+
+
+CANONICALIZE_REWRITES: tuple[Rewrite, ...] = (
+    normalize_axes, explicit_view_shape, identity_permute, view_to_same_shape, sub_const_to_add,
+)
+
+
+def order_commutative_operands(graph: Graph) -> bool:
+    """Put operands of commutative binary nodes in canonical order, in place. Returns changed."""
+    position = {v: i for i, v in enumerate(graph.values())}
+    changed = False
+    for node in graph.nodes:
+        if len(node.inputs) != 2 or not node.op.has("commutative"):
+            continue
+        a, b = node.inputs
+        if _order_key(a, position) > _order_key(b, position):
+            node.inputs = (b, a)
+            changed = True
+    return changed
+
+
+def _order_key(v: Value, position: dict[Value, int]) -> tuple[bool, int]:
+    return (is_constant(v), position[v])
+
+
+@register_pass
+@dataclass(frozen=True)
+class Canonicalize(PatternPass):
+    """Rewrite the graph into canonical form (see :mod:`kiln.passes.canonicalize`).
+
+    Guarantees: exact result types and values are kept; idempotent (a second run reports
+    ``changed=False``).
+    """
+
+    name: ClassVar[str] = "canonicalize"
+
+    def rewrites(self) -> Sequence[Rewrite]:
+        return CANONICALIZE_REWRITES
+
+    def run(self, graph: Graph) -> PassResult:
+        rewritten = apply_patterns(graph, self.rewrites(), max_rounds=self.max_rounds)
+        g = rewritten.graph if rewritten.changed else graph.clone()
+        if order_commutative_operands(g):
+            return PassResult(g, True)
+        return PassResult(g if rewritten.changed else graph, rewritten.changed)

@@ -1,0 +1,35 @@
+"""The default pipeline that :func:`kiln.compile` runs.
+
+:data:`DEFAULT_PIPELINE` is the single place where the default pass order is written down;
+adding a pass to the default is a one-line change here (its module must be imported by
+``kiln/passes/__init__.py`` so that it is registered).
+"""
+
+from __future__ import annotations
+
+from kiln.passes.manager import PassManager
+
+DEFAULT_PIPELINE = ",".join([
+    "canonicalize",
+    "simplify",
+    "fold",
+    "cse",
+    "sink-views",
+    "simplify",
+    "composites",
+    "cse",
+    "dce",
+    "fuse",
+])
+"""Pass order of :func:`default_pipeline`, as pipeline text."""
+
+
+def default_pipeline(*, verify: bool = True, fixpoint: bool = True, max_iterations: int = 4,
+                     **options) -> PassManager:
+    """The :class:`PassManager` that ``kiln.compile`` uses: :data:`DEFAULT_PIPELINE`,
+    repeated until nothing changes (at most ``max_iterations`` times).
+
+    Extra keyword options go to :class:`PassManager` (e.g. ``dump_dir``).
+    """
+    return PassManager(DEFAULT_PIPELINE, verify=verify, fixpoint=fixpoint,
+                       max_iterations=max_iterations, **options)

@@ -1,0 +1,155 @@
+"""Tests of view sinking (pass ``sink-views``)."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+import kiln.ir as ir
+from kiln.backends.reference import run_graph
+from kiln.ir import DType, Graph
+from kiln.passes import Pass
+from kiln.passes.layout import SinkViews
+
+# ----------------------------------------------------------------- before/after checking
+def canon(g: Graph) -> str:
+    """The text of ``g`` with constant and node-result names renumbered in definition order,
+    so graphs equal up to value names print the same."""
+    names = [v.name for v in [*g.constants, *(o for n in g.nodes for o in n.outputs)]]
+    mapping = {n: f"#{i}" for i, n in enumerate(names)}
+    return re.sub(r"%([A-Za-z0-9_.]+)", lambda m: "%" + mapping.get(m.group(1), m.group(1)), str(g))
+
+
+def random_arrays(values, rng: np.random.Generator) -> list[np.ndarray]:
+    out = []
+    for v in values:
+        dt = v.dtype
+        if dt.is_floating:
+            out.append(rng.standard_normal(v.shape).astype(dt.numpy))
+        elif dt == DType.bool:
+            out.append(rng.random(v.shape) > 0.5)
+        else:
+            out.append(rng.integers(0 if dt == DType.uint8 else -5, 6, v.shape).astype(dt.numpy))
+    return out
+
+
+def assert_same_outputs(before: Graph, after: Graph, seed: int = 0) -> None:
+    rng = np.random.default_rng(seed)
+    inputs, params = random_arrays(before.inputs, rng), random_arrays(before.params, rng)
+    with np.errstate(all="ignore"):
+        want = run_graph(before, inputs, params)
+        got = run_graph(after, inputs, params)
+    for w, g in zip(want, got, strict=True):
+        assert g.dtype == w.dtype and g.shape == w.shape
+        np.testing.assert_allclose(g.astype(np.float64), w.astype(np.float64), rtol=1e-6, atol=1e-6)
+
+
+def check(p: Pass, before: str, expected: str | None) -> Graph:
+    """Run ``p`` on ``before``; compare with ``expected`` (None = unchanged), verify, compare
+    outputs on random inputs, and check that a second run changes nothing."""
+    g = ir.parse(before)
+    result = p.run(g)
+    want = ir.parse(expected) if expected is not None else g
+    assert canon(result.graph) == canon(want)
+    assert result.changed == (expected is not None)
+    ir.verify(result.graph)
+    assert_same_outputs(g, result.graph)
+    assert not p.run(result.graph).changed
+    return result.graph
+
+
+def _g(body: str, sig: str = "%a: f32[2, 3, 4], %b: f32[2, 3, 4]") -> str:
+    return f"graph @main({sig}) {{\n{body}\n}}"
+
+
+CASES = {
+    "equal permutes meet after a binary op": (_g("""
+  %0: f32[4, 2, 3] = permute(%a) {dims=[2, 0, 1]}
+  %1: f32[4, 2, 3] = permute(%b) {dims=[2, 0, 1]}
+  %2: f32[4, 2, 3] = add(%0, %1)
+  return %2"""), _g("""
+  %3: f32[2, 3, 4] = add(%a, %b)
+  %2: f32[4, 2, 3] = permute(%3) {dims=[2, 0, 1]}
+  return %2""")),
+    "a permute sinks through unary ops and cancels its inverse": (_g("""
+  %0: f32[4, 2, 3] = permute(%a) {dims=[2, 0, 1]}
+  %1: f32[4, 2, 3] = exp(%0)
+  %2: f32[4, 2, 3] = gelu(%1) {approximate="tanh"}
+  %3: f32[2, 3, 4] = permute(%2) {dims=[1, 2, 0]}
+  return %3"""), _g("""
+  %1: f32[2, 3, 4] = exp(%a)
+  %2: f32[2, 3, 4] = gelu(%1) {approximate="tanh"}
+  return %2""")),
+    "rank-0 operands ride along": (_g("""
+  %s: f32[] = const 3.0
+  %0: f32[4, 2, 3] = permute(%a) {dims=[2, 0, 1]}
+  %1: f32[4, 2, 3] = mul(%s, %0)
+  %2: bool[4, 2, 3] = gt(%1, %t)
+  return %2""", "%a: f32[2, 3, 4], %t: f32[]"), _g("""
+  %s: f32[] = const 3.0
+  %1: f32[2, 3, 4] = mul(%s, %a)
+  %3: bool[2, 3, 4] = gt(%1, %t)
+  %2: bool[4, 2, 3] = permute(%3) {dims=[2, 0, 1]}
+  return %2""", "%a: f32[2, 3, 4], %t: f32[]")),
+    "different permutes, shared permutes and non-scalar partners stay": (_g("""
+  %0: f32[4, 2, 3] = permute(%a) {dims=[2, 0, 1]}
+  %1: f32[4, 2, 3] = permute(%d) {dims=[0, 2, 1]}
+  %2: f32[4, 2, 3] = add(%0, %1)
+  %3: f32[4, 2, 3] = exp(%0)
+  %4: f32[4, 2, 3] = add(%0, %c)
+  return %2, %3, %4""", "%a: f32[2, 3, 4], %d: f32[4, 3, 2], %c: f32[4, 2, 3]"), None),
+    "a transposed matmul operand stays": (_g("""
+  %0: f32[4, 3] = permute(%w) {dims=[1, 0]}
+  %1: f32[2, 3] = matmul(%x, %0)
+  %2: f32[2, 3] = relu(%1)
+  return %2""", "%x: f32[2, 4], %w: f32[3, 4]"), None),
+    "expand folds into a broadcasting consumer": (_g("""
+  %0: f32[2, 3] = expand(%r) {shape=[2, 3]}
+  %1: f32[2, 3] = add(%0, %y)
+  %2: f32[2, 3] = where(%m, %0, %y)
+  return %1, %2""", "%r: f32[3], %y: f32[2, 3], %m: bool[2, 3]"), _g("""
+  %1: f32[2, 3] = add(%r, %y)
+  %2: f32[2, 3] = where(%m, %r, %y)
+  return %1, %2""", "%r: f32[3], %y: f32[2, 3], %m: bool[2, 3]")),
+    "unary ops run before an expand, on fewer elements": (_g("""
+  %0: f32[5, 3] = expand(%r) {shape=[5, 3]}
+  %1: f32[5, 3] = tanh(%0)
+  return %1""", "%r: f32[1, 3]"), _g("""
+  %2: f32[1, 3] = tanh(%r)
+  %1: f32[5, 3] = expand(%2) {shape=[5, 3]}
+  return %1""", "%r: f32[1, 3]")),
+    "equal reshapes of equal shapes meet": (_g("""
+  %0: f32[6, 4] = reshape(%a) {shape=[6, 4]}
+  %1: f32[6, 4] = reshape(%b) {shape=[6, 4]}
+  %2: f32[6, 4] = mul(%0, %1)
+  return %2"""), _g("""
+  %3: f32[2, 3, 4] = mul(%a, %b)
+  %2: f32[6, 4] = reshape(%3) {shape=[6, 4]}
+  return %2""")),
+    "reshapes of different source shapes stay": (_g("""
+  %0: f32[6, 4] = reshape(%a) {shape=[6, 4]}
+  %1: f32[6, 4] = reshape(%c) {shape=[6, 4]}
+  %2: f32[6, 4] = mul(%0, %1)
+  return %2""", "%a: f32[2, 3, 4], %c: f32[6, 2, 2]"), None),
+}
+
+
+@pytest.mark.parametrize("before, expected", CASES.values(), ids=CASES.keys())
+def test_sink_views_cases(before, expected):
+    check(SinkViews(), before, expected)
+
+
+def test_view_count_never_grows_on_a_chain():
+    g = ir.parse(_g("""
+  %0: f32[4, 2, 3] = permute(%a) {dims=[2, 0, 1]}
+  %1: f32[4, 2, 3] = permute(%b) {dims=[2, 0, 1]}
+  %2: f32[4, 2, 3] = sub(%0, %1)
+  %3: f32[4, 2, 3] = exp(%2)
+  %4: f32[4, 2, 3] = mul(%3, %0)
+  return %4"""))
+    views = lambda graph: sum(n.op.has("view") for n in graph.nodes)  # noqa: E731
+    result = SinkViews().run(g)
+    assert views(result.graph) <= views(g)
+    assert_same_outputs(g, result.graph)
