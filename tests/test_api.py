@@ -99,6 +99,14 @@ def test_models_match_eager_with_structure(compiled_case):
     assert isinstance(compiled.graph, Graph) and compiled.stats["calls"] >= 1
 
 
+def test_default_pipeline_runs_on_compile(compiled_case):
+    # kiln.compile runs kiln.passes.default_pipeline(): the graph it built is fused.
+    name, model, args, kwargs, compiled, _ = compiled_case
+    captured = kiln.capture(model, args, kwargs)
+    assert "fused" in compiled.graph.op_histogram(), name
+    assert len(compiled.graph.nodes) < len(captured.nodes), name
+
+
 def test_function_compiles():
     def attention_scores(q, k, scale=0.5):
         s = (q @ k.transpose(-1, -2)) * scale
@@ -194,7 +202,7 @@ def test_unsupported_op_falls_back_with_one_warning():
     model, x = small_unsupported_model()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        compiled = kiln.compile(model, (x,))
+        compiled = kiln.compile(model, (x,), passes=None)  # unfused, so the kiln ops are visible
         out = compiled(x)
         compiled(x)
     messages = fallback_warnings(caught)

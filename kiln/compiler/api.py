@@ -37,7 +37,7 @@ from .fallback import CompiledFx, GraphTransform, compile_fx, unsupported_nodes
 
 
 def compile(model_or_function: torch.nn.Module | Callable[..., Any], example_inputs: Any,
-            backend: str | Backend = DEFAULT_BACKEND, *, passes: Any = None, strict: bool = False,
+            backend: str | Backend = DEFAULT_BACKEND, *, passes: Any = "default", strict: bool = False,
             example_kwargs: Mapping[str, Any] | None = None, **options: Any) -> CompiledModule:
     """Compile a module or function for inference with kiln (see the module docstring).
 
@@ -48,8 +48,9 @@ def compile(model_or_function: torch.nn.Module | Callable[..., Any], example_inp
             Shapes and dtypes are fixed by them; non-tensor arguments are specialized.
         backend: a registered backend name (``kiln.backends.available_backends()``) or a
             :class:`~kiln.backends.Backend` instance.
-        passes: ``None``, a pass pipeline text such as ``"cse,dce"``, a sequence of passes,
-            or any object whose ``run(graph)`` returns a Graph or a result with ``.graph``.
+        passes: ``"default"`` (:func:`kiln.passes.default_pipeline`), ``None`` for no passes,
+            a pass pipeline text such as ``"cse,dce"``, a sequence of passes, or any object
+            whose ``run(graph)`` returns a Graph or a result with ``.graph``.
         strict: raise :class:`UnsupportedOpError` instead of running unsupported ops in
             PyTorch.
         example_kwargs: keyword arguments of the example call.
@@ -133,7 +134,11 @@ def resolve_passes(passes: Any) -> GraphTransform | None:
     """
     if passes is None:
         return None
-    if isinstance(passes, (str, list, tuple)):
+    if passes == "default":
+        from kiln.passes import default_pipeline
+
+        passes = default_pipeline()
+    elif isinstance(passes, (str, list, tuple)):
         try:
             from kiln.passes.manager import PassManager
         except ImportError as e:

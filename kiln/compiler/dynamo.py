@@ -14,7 +14,8 @@ backend as one keyword argument ``options`` (and ``mode`` as ``mode=``, ignored 
                                                   "passes": "cse,dce", "float64": False})
 
 ``strict`` raises :class:`~kiln.compiler.errors.UnsupportedOpError` instead of falling back;
-``backend`` picks the kiln backend; ``passes`` is a pass pipeline; every other key is an
+``backend`` picks the kiln backend; ``passes`` is a pass pipeline (default: the default
+pipeline, ``None`` for none); every other key is an
 option of that backend (unknown keys raise).
 
 Graphs kiln cannot compile yet run eagerly, with one :class:`KilnFallbackWarning` each:
@@ -59,7 +60,7 @@ def kiln_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: An
     options = dict(kwargs.get("options") or {})
     strict = bool(options.pop("strict", False))
     backend = get_backend(options.pop("backend", DEFAULT_BACKEND))
-    transform = resolve_passes(options.pop("passes", None))
+    transform = resolve_passes(options.pop("passes", "default"))
     backend.resolve_options(options)  # unknown options fail before any tracing
     name = _graph_name(gm)
     reason = _eager_reason(example_inputs)
