@@ -43,3 +43,22 @@ class ParseError(KilnError):
         if source_line:
             text += f"\n  {source_line}\n  {' ' * (col - 1)}^"
         super().__init__(text)
+
+
+class ScheduleError(KilnError):
+    """A schedule primitive was misapplied: an unknown loop, loops that are not perfectly
+    nested, a bad factor.  The schedule is left unchanged."""
+
+
+class IllegalTransformError(KilnError):
+    """A schedule transformation would break a dependence of the program.
+
+    ``explanation`` says in words which dependence breaks (statement instances, the array
+    cell, the dependence kind, the distance); ``violation`` is the same fact as a record.
+    The schedule is left unchanged.
+    """
+
+    def __init__(self, explanation: str, violation: object | None = None):
+        self.explanation = explanation
+        self.violation = violation
+        super().__init__(explanation)

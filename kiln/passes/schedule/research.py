@@ -1,0 +1,227 @@
+"""A research API over schedules: the tree's nodes, the action space, random legal
+sequences, and datasets of (program, transformations, verdict, explanation, runtime).
+
+The action space is a list of small :class:`Step` records; :func:`applicable` filters it to
+the steps that apply at a node (and optionally to the legal ones) by trying each on a copy
+of the schedule, so it never disagrees with the primitives themselves.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kiln.ir.errors import IllegalTransformError, ScheduleError
+from kiln.ir.loops.program import Program
+from kiln.ir.poly.tree import Band, Leaf, Sequence, statements_under, walk_tree
+
+from .schedule import Schedule
+
+
+@dataclass(frozen=True)
+class Step:
+    """One primitive application, as recorded in traces."""
+
+    primitive: str
+    args: tuple[tuple[str, Any], ...]
+
+    @staticmethod
+    def of(primitive: str, **args: Any) -> Step:
+        return Step(primitive, tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in args.items()))
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"primitive": self.primitive,
+                "args": {k: list(v) if isinstance(v, tuple) else v for k, v in self.args}}
+
+    def apply(self, schedule: Schedule) -> Schedule:
+        return schedule.apply(self.primitive, **self.as_dict()["args"])
+
+    def __str__(self) -> str:
+        return f"{self.primitive}({', '.join(f'{k}={v!r}' for k, v in self.args)})"
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    """A schedule-tree node: ``kind`` is ``band``, ``sequence`` or ``leaf``."""
+
+    kind: str
+    name: str | None
+    path: tuple[int, ...]
+    statements: tuple[str, ...]
+    annotation: str = "serial"
+    children: tuple[str, ...] = field(default_factory=tuple)
+
+
+def nodes(schedule: Schedule) -> list[NodeInfo]:
+    """Every node of the schedule tree, pre-order."""
+    out: list[NodeInfo] = []
+    for n, path in walk_tree(schedule.tree):
+        stmts = tuple(statements_under(n))
+        if isinstance(n, Band):
+            out.append(NodeInfo("band", n.name, path, stmts, n.annotation.kind, (_label(n.child),)))
+        elif isinstance(n, Sequence):
+            out.append(NodeInfo("sequence", None, path, stmts, children=tuple(_label(c) for c in n.children)))
+        else:
+            out.append(NodeInfo("leaf", n.stmt, path, stmts))
+    return out
+
+
+def _label(n) -> str:
+    return n.name if isinstance(n, Band) else n.stmt if isinstance(n, Leaf) else "<sequence>"
+
+
+def candidate_steps(schedule: Schedule, loop: str | None = None, tile_sizes: tuple[int, ...] = (4, 16),
+                    factors: tuple[int, ...] = (2, 4), offsets: tuple[int, ...] = (1, -1)) -> list[Step]:
+    """Steps that might apply at ``loop`` (every loop when ``None``), before any check."""
+    out: list[Step] = []
+    tree_nodes = nodes(schedule)
+    by_path = {n.path: n for n in tree_nodes}
+    for n in tree_nodes:
+        if n.kind != "band" or (loop is not None and n.name != loop):
+            continue
+        child = by_path.get(n.path + (0,))
+        ancestors = [by_path[n.path[:d]] for d in range(len(n.path)) if by_path[n.path[:d]].kind == "band"]
+        if child is not None and child.kind == "band":
+            out.append(Step.of("interchange", a=n.name, b=child.name))
+            out += [Step.of("tile", loops=[n.name, child.name], sizes=[s, s]) for s in tile_sizes]
+        out += [Step.of("tile", loops=[n.name], sizes=[s]) for s in tile_sizes]
+        out += [Step.of("split", loop=n.name, factor=f) for f in factors]
+        out += [Step.of("skew", target=n.name, source=a.name, factor=f) for a in ancestors for f in offsets]
+        out.append(Step.of("reverse", loop=n.name))
+        if len(n.statements) > 1:
+            out += [Step.of("shift", loop=n.name, statement=s, offset=o) for s in n.statements for o in offsets]
+        sibling = by_path.get(n.path[:-1] + (n.path[-1] + 1,)) if n.path else None
+        if sibling is not None and sibling.kind == "band":
+            out.append(Step.of("fuse", a=n.name, b=sibling.name))
+        if child is not None and child.kind == "sequence":
+            out += [Step.of("fission", loop=n.name, split_before_child=k) for k in range(1, len(child.children))]
+            out += [Step.of("compute_at", statement=s, loop=n.name) for s in schedule.statements()
+                    if s not in n.statements]
+        out.append(Step.of("parallel", loop=n.name))
+        out.append(Step.of("vectorize", loop=n.name))
+        out += [Step.of("unroll", loop=n.name, factor=f) for f in factors]
+    if loop is None:
+        program = schedule.model.program
+        for s in schedule.statements():
+            stmt = schedule.model.statements[s].stmt
+            if program.buffer(stmt.buffer).scope != "global":
+                out.append(Step.of("inline", statement=s))
+    return out
+
+
+def applicable(schedule: Schedule, loop: str | None = None, legal_only: bool = False, **kwargs: Any) -> list[Step]:
+    """The candidate steps that apply structurally (and, with ``legal_only``, legally)."""
+    out = []
+    for step in candidate_steps(schedule, loop, **kwargs):
+        trial = schedule.copy()
+        trial.check = legal_only
+        try:
+            step.apply(trial)
+        except (ScheduleError, IllegalTransformError):
+            continue
+        out.append(step)
+    return out
+
+
+def random_legal_sequence(program: Program | Schedule, length: int, seed: int = 0, max_tries: int = 40,
+                          **kwargs: Any) -> Schedule:
+    """A schedule with up to ``length`` random legal steps applied (seeded, reproducible)."""
+    rng = random.Random(seed)
+    schedule = program.copy() if isinstance(program, Schedule) else Schedule(program)
+    schedule.check = True
+    for _ in range(length):
+        cands = candidate_steps(schedule, **kwargs)
+        rng.shuffle(cands)
+        for step in cands[:max_tries]:
+            try:
+                step.apply(schedule)
+                break
+            except (ScheduleError, IllegalTransformError):
+                continue
+    return schedule
+
+
+def random_sequence(program: Program, length: int, seed: int = 0, **kwargs: Any) -> Schedule:
+    """A schedule with ``length`` random structurally valid steps applied without checking."""
+    rng = random.Random(seed)
+    schedule = Schedule(program, check=False)
+    for _ in range(length):
+        cands = candidate_steps(schedule, **kwargs)
+        rng.shuffle(cands)
+        for step in cands:
+            try:
+                step.apply(schedule)
+                break
+            except ScheduleError:
+                continue
+    return schedule
+
+
+def _random_arrays(program: Program, sizes: Mapping[str, int], rng: np.random.Generator) -> dict[str, np.ndarray]:
+    from kiln.ir.loops.interp import buffer_shape
+
+    return {b.name: rng.random(buffer_shape(program, b.name, sizes)).astype(b.dtype.numpy)
+            for b in program.buffers if b.scope == "global"}
+
+
+def measure_runtime(program: Program, params: Mapping[str, int | float], seed: int = 0, repeat: int = 3) -> float:
+    """Best wall time (seconds) of ``program``'s generated C on random data."""
+    from kiln.ir.loops.native import compile_c
+
+    kernel = compile_c(program)
+    sizes = {p.name: int(params[p.name]) for p in program.params if p.dtype.is_integer}
+    arrays = _random_arrays(program, sizes, np.random.default_rng(seed))
+    return kernel.time(params, arrays, repeat=repeat)
+
+
+def export_dataset(programs: Mapping[str, Program] | Iterable[Program], path: str | Path,
+                   sequences_per_program: int = 8, length: int = 3, seed: int = 0,
+                   params: Mapping[str, Mapping[str, int | float]] | None = None, progress: bool = True,
+                   legal_fraction: float = 0.5) -> int:
+    """Write JSON lines ``{program, source, steps, legal, explanation, runtime_s,
+    baseline_runtime_s}`` and return the number of records.
+
+    About ``legal_fraction`` of the sequences are drawn among legal steps only, the others
+    unchecked (so some are illegal).  ``params[name]`` gives the sizes to time program
+    ``name``'s generated C with; runtimes are ``None`` for programs without sizes.
+    """
+    items = list(programs.items()) if isinstance(programs, Mapping) else [(p.name, p) for p in programs]
+    jobs = [(name, prog, k) for name, prog in items for k in range(sequences_per_program)]
+    bar = _progress(jobs, progress)
+    rng = random.Random(seed)
+    count = 0
+    baselines: dict[str, float | None] = {}
+    with open(path, "w") as fh:
+        for name, prog, k in bar:
+            sizes = (params or {}).get(name)
+            if name not in baselines:
+                baselines[name] = measure_runtime(prog, sizes) if sizes else None
+            sub_seed = rng.randrange(2**31)
+            if rng.random() < legal_fraction:
+                schedule = random_legal_sequence(prog, length, seed=sub_seed)
+            else:
+                schedule = random_sequence(prog, length, seed=sub_seed)
+            verdict = schedule.verify()
+            runtime = measure_runtime(schedule.program(), sizes) if sizes else None
+            record = {"program": name, "source": str(prog), "steps": schedule.trace, "legal": verdict.legal,
+                      "explanation": None if verdict.legal else verdict.explanation, "runtime_s": runtime,
+                      "baseline_runtime_s": baselines[name]}
+            fh.write(json.dumps(record) + "\n")
+            count += 1
+    return count
+
+
+def _progress(items: list, enabled: bool):
+    if not enabled:
+        return items
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return items
+    return tqdm(items, desc="schedules", unit="seq")
