@@ -13,6 +13,7 @@ Importing kiln imports torch but neither ``torch._dynamo`` nor ``transformers``;
 __version__ = "0.1.0"
 
 from kiln.ir import KilnError
+from kiln.ir.errors import IllegalTransformError, ScheduleError
 from kiln.compiler.api import capture, compile
 from kiln.compiler.errors import UnsupportedOpError
 from kiln.compiler.fallback import KilnFallbackWarning
@@ -20,4 +21,15 @@ from kiln.compiler.dynamo import install_registration as _install_registration
 
 _install_registration()
 
-__all__ = ["KilnError", "KilnFallbackWarning", "UnsupportedOpError", "__version__", "capture", "compile"]
+
+def __getattr__(name: str):
+    # kiln.loops (and its Schedule) load islpy: imported on first use, not with kiln.
+    if name in ("loops", "Schedule"):
+        import importlib
+
+        loops = importlib.import_module("kiln.loops")
+        return loops if name == "loops" else loops.Schedule
+    raise AttributeError(f"module 'kiln' has no attribute {name!r}")
+
+__all__ = ["IllegalTransformError", "KilnError", "KilnFallbackWarning", "Schedule", "ScheduleError",
+           "UnsupportedOpError", "__version__", "capture", "compile", "loops"]
