@@ -168,8 +168,11 @@ class LoweringContext:
         cast back to the half type by the caller's type check).
         """
         dtype = scalar_dtype(x, like)
-        if dtype in _HALF_TYPES and float(np.asarray(x).astype(dtype.numpy)) != float(x):
-            dtype = DType.float32
+        if dtype in _HALF_TYPES:
+            with np.errstate(over="ignore"):  # a scalar beyond the half range stays float32
+                exact = float(np.asarray(x).astype(dtype.numpy)) == float(x)
+            if not exact:
+                dtype = DType.float32
         return self.const(x, dtype)
 
     def operands(self, a: Any, b: Any) -> tuple[Value, Value]:
