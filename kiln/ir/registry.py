@@ -226,6 +226,12 @@ def all_ops() -> dict[str, OpDef]:
     return dict(_REGISTRY)
 
 
+def builtin_ops() -> dict[str, OpDef]:
+    """The ops kiln itself declares (``kiln.ir.ops``), without ops added by user code or tests."""
+    return {n: d for n, d in all_ops().items()
+            if d.reference is None or d.reference.__module__.startswith("kiln.")}
+
+
 _loaded = False
 
 

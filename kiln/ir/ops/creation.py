@@ -14,6 +14,8 @@ import numpy as np
 from ..registry import Attr, defop
 from ..types import DType, TensorType
 from ._infer import fmt_shape
+from .compute import const, convert, defcompute
+from .vjp import defvjp, nondifferentiable
 
 
 def _arange_bounds(start, end, step, dtype: DType) -> tuple[float, float, int]:
@@ -47,6 +49,9 @@ def arange(*, start=0, end, step=1, dtype):
     return (first + step * np.arange(length, dtype=np.float64)).astype(dtype.numpy)
 
 
+defvjp("arange")(nondifferentiable)
+
+
 def _fill_value(value, dtype: DType):
     """``value`` converted to ``dtype`` as torch converts a fill value."""
     if dtype == DType.bool:
@@ -73,3 +78,22 @@ def _full_infer(types, *, shape, value, dtype):
 def full(*, shape, value, dtype):
     """A tensor of ``shape`` with every element ``value``."""
     return np.full(tuple(shape), _fill_value(value, dtype), dtype=dtype.numpy)
+
+
+defvjp("full")(nondifferentiable)
+
+
+# --------------------------------------------------------------- compute rules (lowering)
+@defcompute("arange")
+def _arange_compute(ctx, *, start=0, end, step=1, dtype):
+    """``start + step * i`` in int64 for integer dtypes, float64 otherwise (as the reference)."""
+    first, step, _ = _arange_bounds(start, end, step, dtype)
+    t = DType.int64 if dtype.is_integer else DType.float64
+    return ctx.tensor(ctx.out_shape, dtype,
+                      lambda i: const(first, t) + const(step, t) * convert(i[0], DType.int64, t))
+
+
+@defcompute("full")
+def _full_compute(ctx, *, shape, value, dtype):
+    literal = const(_fill_value(value, dtype), dtype)
+    return ctx.tensor(ctx.out_shape, dtype, lambda i: literal)

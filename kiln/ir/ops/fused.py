@@ -30,6 +30,8 @@ from ..graph import Graph, Value
 from ..registry import Attr, defop
 from ..types import DType, TensorType
 from ._infer import broadcast_float
+from .compute import broadcast_index, call, compute_graph, const, defcompute, float_compute_dtype
+from .vjp import defvjp, unbroadcast
 
 FUSED_KINDS = ("elementwise", "reduction", "matmul", "conv", "opaque")
 """Kernel templates a ``fused`` node may ask for."""
@@ -99,3 +101,33 @@ def silu_mul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     a = a.astype(np.float32) if a.dtype in lowp else a
     b = b.astype(np.float32) if b.dtype in lowp else b
     return a * scipy.special.expit(a) * b
+
+
+@defvjp("silu_mul")
+def _silu_mul_vjp(builder, inputs, outputs, cotangents, attrs):
+    """``d/da = g * b * silu'(a)``, ``d/db = g * silu(a)``, summed over broadcast axes."""
+    (a, b), g = inputs, cotangents[0]
+    s = builder.op("sigmoid", a)
+    one = builder.const(1.0, s)
+    dsilu = builder.mul(s, builder.add(one, builder.mul(a, builder.sub(one, s))))
+    da = unbroadcast(builder, builder.mul(g, builder.mul(b, dsilu)), a) if a.dtype.is_floating else None
+    db = unbroadcast(builder, builder.mul(g, builder.mul(a, s)), b) if b.dtype.is_floating else None
+    return [da, db]
+
+
+# --------------------------------------------------------------- compute rules (lowering)
+@defcompute("fused")
+def _fused_compute(ctx, *inputs, kind, body):
+    """The body's nodes, each by its own rule; producers inline into consumers."""
+    return tuple(compute_graph(ctx.builder, body, inputs))
+
+
+@defcompute("silu_mul")
+def _silu_mul_compute(ctx, a, b):
+    t = float_compute_dtype(ctx.out.dtype)
+
+    def element(i):
+        x = a.at(broadcast_index(i, a.shape), t)
+        return x / (const(1, t) + call("exp", -x)) * b.at(broadcast_index(i, b.shape), t)
+
+    return ctx.tensor(ctx.out_shape, ctx.out.dtype, element)

@@ -19,6 +19,11 @@ import numpy as np
 from ..registry import Attr, defop
 from ..types import Dim, DType, SymDim, TensorType, broadcast_shapes, normalize_dim, promote
 from ._infer import fmt_shape, require_int, static_dims, unique_axes
+from .compute import (
+    Const, LoweringError, Select, all_of, as_expr, broadcast_index, cmp, const, defcompute, floordiv, floormod,
+    linear_index, reshape_index, simplify_index,
+)
+from .vjp import GradBuilder, deflinear, defvjp, unbroadcast
 
 NNZ = SymDim("nnz")
 """Size of the axis a bool mask index produces: its number of true elements, known at run time."""
@@ -51,6 +56,9 @@ def reshape(x, *, shape):
     return x.reshape(_reshaped(x.shape, shape))
 
 
+defvjp("reshape")(deflinear(lambda b, g, x, y, attrs: b.reshape(g, x.shape)))
+
+
 # ---------------------------------------------------------------------------- permute
 def _permutation(dims: Sequence[int], rank: int) -> tuple[int, ...]:
     axes = tuple(d + rank if -rank <= d < 0 else d for d in dims)
@@ -68,6 +76,14 @@ def _permute_infer(types, *, dims):
 def permute(x, *, dims):
     """Axis ``i`` of the result is axis ``dims[i]`` of the input."""
     return np.transpose(x, _permutation(dims, x.ndim))
+
+
+@defvjp("permute")
+@deflinear
+def _permute_transpose(b, g, x, y, attrs):
+    """Permute back with the inverse permutation."""
+    axes = _permutation(attrs["dims"], x.type.rank)
+    return b.permute(g, tuple(sorted(range(len(axes)), key=axes.__getitem__)))
 
 
 # ----------------------------------------------------------------------------- expand
@@ -103,6 +119,13 @@ def _expand_infer(types, *, shape):
 def expand(x, *, shape):
     """Broadcast to ``shape`` without copying (a read-only view)."""
     return np.broadcast_to(x, _expanded(x.shape, shape))
+
+
+@defvjp("expand")
+def _expand_vjp(b, inputs, outputs, cotangents, attrs):
+    """Sum over the new leading axes and the stretched size-1 axes."""
+    x = inputs[0]
+    return [unbroadcast(b, cotangents[0], x) if x.dtype.is_floating else None]
 
 
 # ------------------------------------------------------------------------------ slice
@@ -141,6 +164,34 @@ def slice_(x, *, dim, start, end, step=1):
     return x[(slice(None),) * axis + (slice(lo, hi, step),)]
 
 
+def _pad_axis(b: GradBuilder, g, axis: int, before: int, after: int):
+    """``g`` zero-padded (negative amounts crop) on one axis."""
+    if before == 0 and after == 0:
+        return g
+    pads = (0, 0) * (g.type.rank - 1 - axis) + (before, after)
+    return b.op("pad", g, pads=pads)
+
+
+@defvjp("slice")
+def _slice_vjp(b, inputs, outputs, cotangents, attrs):
+    """Scatter the cotangent back: zeros between strided elements, zero padding around."""
+    x, g = inputs[0], cotangents[0]
+    if not x.dtype.is_floating:
+        return [None]
+    axis = normalize_dim(attrs["dim"], x.type.rank)
+    size = x.shape[axis]
+    lo, _, length = _slice_range(size, attrs["start"], attrs["end"], attrs["step"])
+    if not isinstance(size, int):
+        return [g]  # a whole symbolic axis
+    step = attrs["step"]
+    if step > 1:
+        shape = list(g.shape)
+        spread = b.reshape(g, (*shape[:axis + 1], 1, *shape[axis + 1:]))
+        spread = _pad_axis(b, spread, axis + 1, 0, step - 1)
+        g = b.reshape(spread, (*shape[:axis], length * step, *shape[axis + 1:]))
+    return [_pad_axis(b, g, axis, lo, size - lo - length * step)]
+
+
 # ----------------------------------------------------------------------------- select
 def _select_infer(types, *, dim, index):
     t = types[0]
@@ -158,6 +209,18 @@ def _select_infer(types, *, dim, index):
 def select(x, *, dim, index):
     """``x[..., index, ...]`` on axis ``dim``, which is removed (negative index allowed)."""
     return np.asarray(x[(slice(None),) * normalize_dim(dim, x.ndim) + (index,)])
+
+
+@defvjp("select")
+def _select_vjp(b, inputs, outputs, cotangents, attrs):
+    x, g = inputs[0], cotangents[0]
+    if not x.dtype.is_floating:
+        return [None]
+    axis = normalize_dim(attrs["dim"], x.type.rank)
+    size = x.shape[axis]
+    index = attrs["index"] + size if attrs["index"] < 0 else attrs["index"]
+    g = b.reshape(g, (*x.shape[:axis], 1, *x.shape[axis + 1:]))
+    return [_pad_axis(b, g, axis, index, size - index - 1)]
 
 
 # -------------------------------------------------------------------------------- cat
@@ -191,6 +254,23 @@ def cat(*xs, dim):
     dtype = reduce(promote, (DType.from_numpy(x.dtype) for x in xs)).numpy
     parts = [xs[i].astype(dtype, copy=False) for i in _cat_parts([x.shape for x in xs])]
     return np.concatenate(parts, axis=normalize_dim(dim, parts[0].ndim))
+
+
+@defvjp("cat")
+def _cat_vjp(b, inputs, outputs, cotangents, attrs):
+    """Each operand gets its slice of the cotangent (cast back to its dtype)."""
+    g = cotangents[0]
+    axis = normalize_dim(attrs["dim"], g.type.rank)
+    grads: list = [None] * len(inputs)
+    offset = 0
+    for i in _cat_parts([v.shape for v in inputs]):
+        x = inputs[i]
+        length = x.shape[axis]
+        if x.dtype.is_floating and b.wants(i):
+            part = b.op("slice", g, dim=axis, start=offset, end=offset + length)
+            grads[i] = b.cast(part, x.dtype)
+        offset += length
+    return grads
 
 
 # -------------------------------------------------------------------------------- pad
@@ -232,6 +312,13 @@ def pad(x, *, pads, value=0.0):
     return np.pad(x[crop], widths, constant_values=fill)
 
 
+@defvjp("pad")
+@deflinear
+def _pad_transpose(b, g, x, y, attrs):
+    """Pad by the negated amounts: crops what was padded, zero-fills what was cropped."""
+    return b.op("pad", g, pads=tuple(-p for p in attrs["pads"]))
+
+
 # ------------------------------------------------------------------------------- flip
 def _flip_infer(types, *, dims):
     t = types[0]
@@ -243,6 +330,9 @@ def _flip_infer(types, *, dims):
 def flip(x, *, dims):
     """Reverse the order of elements along each of ``dims``."""
     return np.flip(x, axis=unique_axes(dims, x.ndim)) if dims else x
+
+
+defvjp("flip")(deflinear(lambda b, g, x, y, attrs: b.op("flip", g, dims=attrs["dims"])))
 
 
 # ------------------------------------------------------------------- gather / selects
@@ -281,6 +371,71 @@ def gather(x, index, *, dim):
     return np.take_along_axis(x[window], index.astype(np.int64), axis=axis)
 
 
+@defvjp("gather")
+def _gather_vjp(b, inputs, outputs, cotangents, attrs):
+    """Scatter-add the cotangent into zeros at the gathered positions."""
+    x, index = inputs
+    if not x.dtype.is_floating:
+        return [None, None]
+    return [b.op("scatter_add", b.zeros(x.type), index, cotangents[0], dim=attrs["dim"]), None]
+
+
+def _scatter_add_infer(types, *, dim):
+    x, index, src = types
+    require_int(index, "index")
+    if src.dtype != x.dtype:
+        raise TypeError(f"src is {src.dtype.short} but input is {x.dtype.short}; cast src first")
+    if not index.rank == src.rank == x.rank:
+        raise ValueError(f"input, index and src must have one rank, got {fmt_shape(x.shape)}, "
+                         f"{fmt_shape(index.shape)} and {fmt_shape(src.shape)}")
+    axis = normalize_dim(dim, x.rank)
+    for a, (i, s, d) in enumerate(zip(index.shape, src.shape, x.shape)):
+        if i > s or (a != axis and i > d):
+            raise ValueError(f"index {fmt_shape(index.shape)} is larger than src "
+                             f"{fmt_shape(src.shape)} or input {fmt_shape(x.shape)} on axis {a}")
+    return x
+
+
+@defop("scatter_add", infer=_scatter_add_infer, num_inputs=3, attrs={"dim": Attr("int")})
+def scatter_add(x, index, src, *, dim):
+    """``out = x; out[index[i][j]][j] += src[i][j]`` for ``dim=0`` (torch.scatter_add);
+    repeated indices accumulate."""
+    out = np.array(x, copy=True)
+    if x.ndim == 0:
+        _check_bounds(index, 1, "scatter_add")
+        return out + (src.sum() if index.size else 0)
+    axis = normalize_dim(dim, x.ndim)
+    _check_bounds(index, x.shape[axis], "scatter_add")
+    grid = list(np.indices(index.shape, sparse=True))
+    grid[axis] = index.astype(np.int64)
+    window = tuple(slice(0, n) for n in index.shape)
+    np.add.at(out, tuple(grid), src[window])
+    return out
+
+
+@defvjp("scatter_add")
+def _scatter_add_vjp(b, inputs, outputs, cotangents, attrs):
+    """The input gets the cotangent; src gets it gathered back from where it was added."""
+    x, index, src = inputs
+    if not x.dtype.is_floating:
+        return [None, None, None]
+    g = cotangents[0]
+    dsrc = None
+    if b.wants(2):
+        dsrc = b.op("gather", g, index, dim=attrs["dim"])
+        if tuple(index.shape) != tuple(src.shape):
+            dsrc = b.op("pad", dsrc, pads=_tail_pads(index.shape, src.shape))
+    return [g, None, dsrc]
+
+
+def _tail_pads(shape: Sequence[int], target: Sequence[int]) -> tuple[int, ...]:
+    """``pad`` amounts (last axis first) growing ``shape`` to ``target`` at the end of each axis."""
+    pads: list[int] = []
+    for have, want in zip(reversed(shape), reversed(target)):
+        pads += [0, want - have]
+    return tuple(pads)
+
+
 def _index_select_infer(types, *, dim):
     x, index = types
     require_int(index, "index")
@@ -299,6 +454,18 @@ def index_select(x, index, *, dim):
     axis = normalize_dim(dim, x.ndim)
     _check_bounds(index, x.shape[axis], "index_select")
     return np.take(x, index.reshape(-1).astype(np.int64), axis=axis)
+
+
+@defvjp("index_select")
+def _index_select_vjp(b, inputs, outputs, cotangents, attrs):
+    """Accumulate the cotangent into zeros at the selected entries (``index_put``)."""
+    x, index = inputs
+    if not x.dtype.is_floating:
+        return [None, None]
+    flat = b.reshape(index, (index.shape[0] if index.type.rank else 1,))
+    axis = normalize_dim(attrs["dim"], x.type.rank)
+    grad = b.op("index_put", b.zeros(x.type), cotangents[0], flat, dims=(axis,), accumulate=True)
+    return [grad, None]
 
 
 # ------------------------------------------------------------------- advanced indexing
@@ -361,6 +528,65 @@ def index(x, *indices, dims):
     return np.asarray(x[key])
 
 
+@defvjp("index")
+def _index_vjp(b, inputs, outputs, cotangents, attrs):
+    """Accumulate the cotangent into zeros at the indexed positions (``index_put``)."""
+    x, indices = inputs[0], inputs[1:]
+    if not x.dtype.is_floating:
+        return [None] * len(inputs)
+    grad = b.op("index_put", b.zeros(x.type), cotangents[0], *indices, dims=attrs["dims"],
+                accumulate=True)
+    return [grad] + [None] * len(indices)
+
+
+def _index_put_infer(types, *, dims, accumulate=False):
+    x, values, indices = types[0], types[1], types[2:]
+    if values.dtype != x.dtype:
+        raise TypeError(f"values are {values.dtype.short} but input is {x.dtype.short}; "
+                        "cast the values first")
+    target = _index_infer([x, *indices], dims=dims).shape
+    try:
+        fits = broadcast_shapes(values.shape, target) == target
+    except ValueError:
+        fits = False
+    if not fits:
+        raise ValueError(f"values {fmt_shape(values.shape)} do not broadcast to the indexed "
+                         f"positions {fmt_shape(target)}")
+    return x
+
+
+@defop("index_put", infer=_index_put_infer, num_inputs=(3, None),
+       attrs={"dims": Attr("ints"), "accumulate": Attr("bool", False)})
+def index_put(x, values, *indices, dims, accumulate=False):
+    """``x`` with the positions ``index(x, *indices, dims)`` selects set to ``values``
+    (broadcast), or incremented by them with ``accumulate`` (repeated positions add up)."""
+    masks = [i.dtype == np.bool_ for i in indices]
+    plan = _index_plan(x.ndim, dims, [i.ndim for i in indices], masks)
+    key = tuple(slice(None) if p is None else indices[p] for p in plan if p != -1)
+    out = np.array(x, copy=True)
+    if accumulate:
+        np.add.at(out, key, np.broadcast_to(values, out[key].shape))
+    else:
+        out[key] = values
+    return out
+
+
+@defvjp("index_put")
+def _index_put_vjp(b, inputs, outputs, cotangents, attrs):
+    """Accumulating: the input gets the cotangent, values get it gathered at their positions.
+    Overwriting: the overwritten positions of the input get zero."""
+    x, values, indices = inputs[0], inputs[1], inputs[2:]
+    if not x.dtype.is_floating:
+        return [None] * len(inputs)
+    g, dims = cotangents[0], attrs["dims"]
+    picked = b.op("index", g, *indices, dims=dims)
+    dvalues = unbroadcast(b, picked, values) if b.wants(1) else None
+    dx = g
+    if not attrs["accumulate"]:
+        dx = b.op("index_put", g, b.const(0.0, g), *indices, dims=dims)
+    return [dx, dvalues] + [None] * len(indices)
+
+
 # --------------------------------------------------------------------- triangles, tiles
 def _triangle_infer(types, *, diagonal=0):
     t = types[0]
@@ -381,6 +607,13 @@ def triu(x, *, diagonal=0):
     return np.triu(x, k=diagonal)
 
 
+@defvjp("tril", "triu")
+@deflinear
+def _triangle_transpose(b, g, x, y, attrs):
+    """Keep the same triangle of the cotangent."""
+    return b.op(y.producer.kind, g, diagonal=attrs["diagonal"])
+
+
 def _repeat_infer(types, *, repeats):
     t = types[0]
     if len(repeats) < t.rank:
@@ -396,3 +629,234 @@ def repeat(x, *, repeats):
     """Tile ``x`` ``repeats[i]`` times along axis ``i`` (torch.Tensor.repeat)."""
     return np.tile(x, repeats)
 
+
+@defvjp("repeat")
+def _repeat_vjp(b, inputs, outputs, cotangents, attrs):
+    """Sum the tiles: view the cotangent as ``[r0, s0, r1, s1, ...]`` and sum the ``r`` axes."""
+    x = inputs[0]
+    if not x.dtype.is_floating:
+        return [None]
+    repeats = attrs["repeats"]
+    src = (1,) * (len(repeats) - x.type.rank) + tuple(x.shape)
+    tiles = b.reshape(cotangents[0], tuple(d for pair in zip(repeats, src) for d in pair))
+    total = b.sum(tiles, tuple(range(0, 2 * len(repeats), 2)))
+    return [b.reshape(total, x.shape)]
+
+
+# --------------------------------------------------------------- compute rules (lowering)
+# Layout ops are index arithmetic: out[i] = x[source(i)]; consumers inline them.
+def _view_rule(source):
+    """``out[i] = x[source(i, x, ctx, attrs)]``."""
+
+    def rule(ctx, x, **attrs):
+        return ctx.tensor(ctx.out_shape, x.dtype, lambda i: x[source(i, x, ctx, **attrs)])
+
+    return rule
+
+
+def _reshape_source(i, x, ctx, *, shape):
+    return reshape_index(i, ctx.out_shape, x.shape)
+
+
+def _permute_source(i, x, ctx, *, dims):
+    src = [None] * x.rank
+    for k, a in enumerate(_permutation(dims, x.rank)):
+        src[a] = i[k]
+    return tuple(src)
+
+
+def _slice_source(i, x, ctx, *, dim, start, end, step=1):
+    axis = normalize_dim(dim, x.rank)
+    lo = _slice_range(x.shape[axis], start, end, step)[0]
+    return (*i[:axis], simplify_index(i[axis] * step + lo), *i[axis + 1:])
+
+
+def _select_source(i, x, ctx, *, dim, index):
+    axis = normalize_dim(dim, x.rank)
+    return (*i[:axis], as_expr(index % x.shape[axis]), *i[axis:])
+
+
+def _flip_source(i, x, ctx, *, dims):
+    axes = unique_axes(dims, x.rank)
+    return tuple(simplify_index(x.shape[d] - 1 - e) if d in axes else e for d, e in enumerate(i))
+
+
+def _repeat_source(i, x, ctx, *, repeats):
+    lead = len(repeats) - x.rank
+    return tuple(e if r == 1 else floormod(e, n)
+                 for e, n, r in zip(i[lead:], x.shape, repeats[lead:]))
+
+
+defcompute("reshape")(_view_rule(_reshape_source))
+defcompute("permute")(_view_rule(_permute_source))
+defcompute("expand")(_view_rule(lambda i, x, ctx, shape: broadcast_index(i, x.shape)))
+defcompute("slice")(_view_rule(_slice_source))
+defcompute("select")(_view_rule(_select_source))
+defcompute("flip")(_view_rule(_flip_source))
+defcompute("repeat")(_view_rule(_repeat_source))
+
+
+@defcompute("cat")
+def _cat_compute(ctx, *xs, dim):
+    """``out[.., j, ..]`` reads the operand whose range along ``dim`` holds ``j``."""
+    out = ctx.out.dtype
+    parts = [xs[k] for k in _cat_parts([x.shape for x in xs])]
+    axis = normalize_dim(dim, parts[0].rank)
+    offsets = np.cumsum([0] + [p.shape[axis] for p in parts]).tolist()
+
+    def element(i):
+        def read(k):
+            src = (*i[:axis], simplify_index(i[axis] - offsets[k]), *i[axis + 1:])
+            return parts[k].at(src, out)
+
+        value = read(len(parts) - 1)
+        for k in range(len(parts) - 2, -1, -1):
+            value = Select(cmp("<", i[axis], offsets[k + 1]), read(k), value)
+        return value
+
+    return ctx.tensor(ctx.out_shape, out, element)
+
+
+@defcompute("pad")
+def _pad_compute(ctx, x, *, pads, value=0.0):
+    """``out[i] = x[i - before]`` where that is inside ``x``, else ``value``."""
+    pairs = _pad_pairs(x.shape, pads)
+    fill = const(np.trunc(value) if x.dtype.is_integer else value, x.dtype)
+
+    def element(i):
+        src, conds = [], []
+        for e, n, (before, after) in zip(i, x.shape, pairs):
+            s = simplify_index(e - before)
+            src.append(s)
+            conds += ([cmp(">=", s, 0)] if before > 0 else []) + ([cmp("<", s, n)] if after > 0 else [])
+        guard = all_of(conds)
+        return x[tuple(src)] if guard is None else Select(guard, x[tuple(src)], fill)
+
+    return ctx.tensor(ctx.out_shape, x.dtype, element)
+
+
+@defcompute("gather")
+def _gather_compute(ctx, x, index, *, dim):
+    """``out[i] = x[i with axis dim replaced by index[i]]``."""
+    if x.rank == 0:
+        return ctx.tensor(ctx.out_shape, x.dtype, lambda i: x[()])
+    axis = normalize_dim(dim, x.rank)
+    return ctx.tensor(ctx.out_shape, x.dtype,
+                      lambda i: x[(*i[:axis], index.at(i, DType.int64), *i[axis + 1:])])
+
+
+@defcompute("index_select")
+def _index_select_compute(ctx, x, index, *, dim):
+    axis = normalize_dim(dim, x.rank)
+
+    def element(i):
+        pick = index.at((i[axis],) if index.rank else (), DType.int64)
+        return x[(*i[:axis], pick, *i[axis + 1:])]
+
+    return ctx.tensor(ctx.out_shape, x.dtype, element)
+
+
+@defcompute("index")
+def _index_compute(ctx, x, *indices, dims):
+    """Integer advanced indexing (negative indices wrap).  A bool mask selects a number of
+    elements known only at run time, which a loop program over static shapes cannot hold."""
+    if any(t.dtype == DType.bool for t in indices):
+        raise LoweringError("index with a bool mask has a data-dependent result shape "
+                            f"({ctx.out}); it cannot be lowered to loops: run it with its reference")
+    plan = _index_plan(x.rank, dims, [t.rank for t in indices], [False] * len(indices))
+    index_rank = len(broadcast_shapes(*(t.shape for t in indices)))
+    indexed = [a for a, p in enumerate(plan) if p is not None]
+    in_place = indexed == list(range(indexed[0], indexed[-1] + 1))
+    split = indexed[0] if in_place else 0
+    before = [a for a, p in enumerate(plan) if p is None and a < split]
+    after = [a for a, p in enumerate(plan) if p is None and a >= split]
+
+    def element(i):
+        src: list = [None] * x.rank
+        picked = i[len(before):len(before) + index_rank]
+        for k, a in enumerate(before):
+            src[a] = i[k]
+        for k, a in enumerate(after):
+            src[a] = i[len(before) + index_rank + k]
+        for a in indexed:
+            t = indices[plan[a]]
+            src[a] = floormod(t.at(broadcast_index(picked, t.shape), DType.int64), x.shape[a])
+        return x[tuple(src)]
+
+    return ctx.tensor(ctx.out_shape, x.dtype, element)
+
+
+def _triangle_rule(keep_op: str):
+    """tril keeps ``col - row <= diagonal``, triu keeps ``col - row >= diagonal``."""
+
+    def rule(ctx, x, *, diagonal=0):
+        zero = const(0, x.dtype)
+        return ctx.tensor(x.shape, x.dtype, lambda i: Select(
+            cmp(keep_op, simplify_index(i[-1] - i[-2]), diagonal), x[i], zero))
+
+    return rule
+
+
+defcompute("tril")(_triangle_rule("<="))
+defcompute("triu")(_triangle_rule(">="))
+
+
+@defcompute("scatter_add")
+def _scatter_add_compute(ctx, x, index, src, *, dim):
+    """``out[p] = x[p] + sum_r src[p'] [index[p'] == p[dim]]`` with ``p' = p`` except
+    ``p'[dim] = r``: contributions in increasing ``r``, added in ``x``'s dtype as the
+    reference adds them."""
+    t = x.dtype
+    if x.rank == 0:
+        return ctx.tensor((), t, lambda i: x[()] + src[()])
+    axis = normalize_dim(dim, x.rank)
+
+    def body(p, r):
+        at = (*p[:axis], r[0], *p[axis + 1:])
+        conds = [cmp("<", p[a], n) for a, n in enumerate(index.shape) if a != axis and n < x.shape[a]]
+        conds.append(cmp("==", index.at(at, DType.int64), p[axis]))
+        return Select(all_of(conds), src.at(at, t), const(0, t))
+
+    return ctx.reduce(x.shape, t, "+", [index.shape[axis]], body, "sum", init=lambda p: x[p])
+
+
+@defcompute("index_put")
+def _index_put_compute(ctx, x, values, *indices, dims, accumulate=False):
+    """For each output position, the index positions ``b`` that address it: accumulated
+    (``x + sum``, in order of ``b``), or the last of them wins (a ``max`` stage finds it)."""
+    if any(t.dtype == DType.bool for t in indices):
+        raise LoweringError("index_put with a bool mask writes a data-dependent set of positions; "
+                            "it is not lowered to loops: run it with its reference")
+    plan = _index_plan(x.rank, dims, [t.rank for t in indices], [False] * len(indices))
+    positions = broadcast_shapes(*(t.shape for t in indices))
+    indexed = [a for a, p in enumerate(plan) if p is not None]
+    in_place = indexed == list(range(indexed[0], indexed[-1] + 1))
+    split = indexed[0] if in_place else 0
+    before = [a for a, p in enumerate(plan) if p is None and a < split]
+    after = [a for a, p in enumerate(plan) if p is None and a >= split]
+
+    def addressed(p, b):
+        conds = [cmp("==", floormod(indices[plan[a]].at(broadcast_index(b, indices[plan[a]].shape), DType.int64),
+                                    x.shape[a]), p[a]) for a in indexed]
+        return all_of(conds)
+
+    def value(p, b):
+        target = (*(p[a] for a in before), *b, *(p[a] for a in after))
+        return values.at(broadcast_index(target, values.shape), x.dtype)
+
+    if accumulate:
+        return ctx.reduce(x.shape, x.dtype, "+", list(positions),
+                          lambda p, b: Select(addressed(p, b), value(p, b), const(0, x.dtype)), "sum",
+                          init=lambda p: x[p])
+    last = ctx.reduce(x.shape, DType.int64, "max", list(positions),
+                      lambda p, b: Select(addressed(p, b), linear_index(b, positions), const(-1, DType.int64)),
+                      "last", init=-1)
+
+    def element(p):
+        flat, b = last[p], []
+        for d, n in enumerate(positions):
+            stride = math.prod(positions[d + 1:])
+            b.append(floormod(floordiv(flat, stride), n) if n != 1 else Const(0))
+        return Select(cmp(">=", flat, 0), value(p, tuple(b)), x[p])
+
+    return ctx.tensor(x.shape, x.dtype, element)

@@ -1,0 +1,236 @@
+"""Lowering graph kernels to loop programs (:mod:`kiln.ir.loops`).
+
+Public API (stable)::
+
+    from kiln.passes.lower import LoweredKernel, LoweringError, lower_node, lower_graph_kernels
+
+    kernel = lower_node(node)            # any node whose op has a compute definition, incl. ``fused``
+    kernels = lower_graph_kernels(graph) # one entry per ``graph.nodes``; None: left to the backend
+
+    kernel.program    # kiln.ir.loops.Program: no parameters, static shapes, plain serial loops
+    kernel.inputs     # buffer names, one per node operand, in operand order
+    kernel.outputs    # buffer names, one per node result, in result order
+    kernel.kind       # the fused node's kind, else the node's fusion class
+    kernel.constants  # {buffer name: ndarray}: global buffers holding tensor constants
+
+Running a kernel: every global buffer gets an array of exactly its dtype and shape (the
+graph value's type); inputs and ``constants`` are read, outputs are written::
+
+    arrays = {name: a for name, a in zip(kernel.inputs, operands)} | kernel.constants
+    arrays |= {name: np.empty(v.shape, v.dtype.numpy) for name, v in zip(kernel.outputs, node.outputs)}
+    kiln.loops.run(kernel.program, {}, arrays)      # or kiln.loops.compile_c(kernel.program)
+
+Guarantees:
+
+* Buffers are named after graph values, sanitized to C identifiers (``%0`` -> ``v0``,
+  ``%fc1.bias`` -> ``fc1_bias``, names that would clash with C keywords, math functions or
+  loop iterators get a ``_`` appended; duplicates get ``_1``, ``_2``); their dtypes and
+  shapes are the graph values' exactly.  An operand used twice appears twice in ``inputs``
+  with one buffer.  Scalar constants are inlined as literals; tensor constants of a fused
+  body become global buffers (named after the constant) listed in ``constants``.
+  Intermediate values that must be stored (reduction results, values reused by several
+  consumers when recomputing them would be costly) are ``local`` buffers named
+  ``<value>_<stage>`` (``v3_max``, ``v7_acc``).
+* The program is one function of the node: producers are inlined into consumers (views and
+  elementwise chains completely; an elementwise prologue into a reduction's body); a
+  consumer over the same index space as a reduction runs in the reduction's loop nest (the
+  epilogue of a matmul or conv, the normalization after a softmax's row sums), by merging
+  consecutive loop nests whose shared loops provably hand each iteration the cells it reads.
+  Nothing else is reordered: loops are serial and unannotated, reductions run their
+  reduced axes innermost in increasing order.  Schedules are the backend's business
+  (``kiln.loops.Schedule`` checks each of them).
+* Loop bounds are affine (or quasi-affine: ``floordiv`` by constants), so every program is
+  accepted by ``kiln.loops.Schedule``; data-dependent indices (gather, embedding) are loads
+  in index position, which the polyhedral model treats as may-accesses.
+* ``str(kiln.loops.parse(str(p))) == str(p)`` for every lowered program ``p``.
+* float16/bfloat16 kernels compute in float32 and round each op's result, as the
+  references do; they run in the interpreter (``to_c`` has no C type for them).
+
+Nodes that cannot be lowered raise :class:`LoweringError` from :func:`lower_node`: symbolic
+shapes, and ops whose result shape depends on data (``index`` with a bool mask).
+:func:`lower_graph_kernels` maps those, and every node ``skip`` selects (by default the
+``view`` ops: reshape, permute, expand, slice, select), to ``None``: the backend implements
+them itself (as views, library calls or the reference implementation).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from kiln.ir import Graph, Node
+from kiln.ir.loops import (
+    Expr, If, Load, Loop, Program, Var, loads_of, map_expr, substitute,
+)
+from kiln.ir.loops import Node as LoopNode
+from kiln.ir.ops.compute import (
+    KernelBuilder,
+    LoweringError,
+    apply_rule,
+    sanitize,
+    static_shape,
+)
+from kiln.passes.fusion import node_class
+
+__all__ = ["LoweredKernel", "LoweringError", "can_lower", "default_skip", "fuse_nests", "lower_graph_kernels",
+           "lower_node"]
+
+
+@dataclass(frozen=True)
+class LoweredKernel:
+    """A node as one loop program; see the module docstring for what each field holds."""
+
+    program: Program
+    inputs: list[str]
+    outputs: list[str]
+    kind: str
+    constants: dict[str, np.ndarray] = field(default_factory=dict)
+
+
+# ============================================================================= lowering
+def can_lower(node: Node) -> bool:
+    """Whether :func:`lower_node` accepts ``node``: its op has a compute definition and
+    every operand and result has a static shape."""
+    values = (*node.inputs, *node.outputs)
+    return node.op.compute is not None and all(v.type.is_static for v in values)
+
+
+def default_skip(node: Node) -> bool:
+    """Nodes :func:`lower_graph_kernels` leaves to the backend by default: views, and nodes
+    that cannot be lowered (:func:`can_lower`)."""
+    return node.op.has("view") or not can_lower(node)
+
+
+def lower_graph_kernels(graph: Graph, skip: Callable[[Node], bool] | None = None) -> list[LoweredKernel | None]:
+    """One entry per node of ``graph.nodes``: its kernel, or ``None`` where ``skip(node)``
+    (default :func:`default_skip`) leaves it to the backend."""
+    skip = default_skip if skip is None else skip
+    return [None if skip(node) else lower_node(node) for node in graph.nodes]
+
+
+def lower_node(node: Node) -> LoweredKernel:
+    """``node`` (any op with a compute definition, ``fused`` included) as one loop program."""
+    builder = KernelBuilder()
+    buffer_of: dict = {}
+    for k, v in enumerate(node.inputs):
+        if v not in buffer_of:
+            shape = static_shape(v.type, f"operand {k} (%{v.name}) of {node.kind}")
+            buffer_of[v] = builder.declare(v.name, shape, v.dtype, "global")
+    inputs = [buffer_of[v] for v in node.inputs]
+    outputs = [builder.declare(v.name, static_shape(v.type, f"result %{v.name} of {node.kind}"), v.dtype, "global")
+               for v in node.outputs]
+    results = apply_rule(builder, node.op, [builder.tensor_of(n) for n in inputs], node.attrs,
+                         [v.type for v in node.outputs], node.outputs[0].name)
+    aliases: dict[str, str] = {}
+    for name, t in zip(outputs, results):
+        local = builder.buffers.get(t.buffer) if t.buffer else None
+        if local is not None and local.scope == "local" and t.buffer not in aliases and local.dtype == t.dtype:
+            aliases[t.buffer] = name  # the stage writes the result buffer directly
+        else:
+            builder.store(name, t)
+    body = rename_buffers(fuse_nests(builder.nests), aliases)
+    kept = [b for b in builder.buffers.values() if b.name not in aliases]
+    order = {name: k for k, name in enumerate([*inputs, *builder.constants, *outputs])}
+    kept.sort(key=lambda b: (b.scope != "global", order.get(b.name, len(order))))
+    name = node.attrs["body"].name if node.kind == "fused" else f"{node.kind}_{node.outputs[0].name}"
+    program = Program(sanitize(name), (), tuple(kept), tuple(body))
+    kind = node.attrs["kind"] if node.kind == "fused" else node_class(node)
+    return LoweredKernel(program, inputs, outputs, kind, dict(builder.constants))
+
+
+# ========================================================================= nest fusion
+def fuse_nests(nodes: Sequence[LoopNode]) -> list[LoopNode]:
+    """Merge each loop with the loop right before it when both have the same bounds and the
+    merge cannot change a result: the second writes nothing the first reads or writes, and
+    for every buffer the first writes and the second reads, one axis is indexed by exactly
+    the loop's iterator in all those writes and reads (so iteration ``v`` of the second
+    reads only cells iteration ``v`` of the first wrote).  Bodies are merged recursively."""
+    out: list[LoopNode] = []
+    for node in nodes:
+        prev = out[-1] if out else None
+        if isinstance(prev, Loop) and isinstance(node, Loop) and _fusable(prev, node):
+            renamed = _substitute_nodes(node.body, {node.iterator: Var(prev.iterator)})
+            out[-1] = replace(prev, body=tuple(fuse_nests([*prev.body, *renamed])))
+        else:
+            out.append(node)
+    return out
+
+
+def _fusable(first: Loop, second: Loop) -> bool:
+    if (first.lower, first.upper, first.step) != (second.lower, second.upper, second.step):
+        return False
+    writes_a, reads_a, _ = _accesses(first.body)
+    writes_b, reads_b, bound_b = _accesses(second.body)
+    if first.iterator != second.iterator and first.iterator in bound_b:
+        return False
+    if set(writes_b) & (set(writes_a) | set(reads_a)):
+        return False
+    mine, theirs = Var(first.iterator), Var(second.iterator)
+    for buf in set(writes_a) & set(reads_b):
+        rank = len(writes_a[buf][0])
+        if not any(all(w[q] == mine for w in writes_a[buf]) and all(r[q] == theirs for r in reads_b[buf])
+                   for q in range(rank)):
+            return False
+    return True
+
+
+def _accesses(nodes: Iterable[LoopNode]):
+    """Write and read index tuples per buffer, and the iterators bound, under ``nodes``."""
+    writes: dict[str, list[tuple[Expr, ...]]] = {}
+    reads: dict[str, list[tuple[Expr, ...]]] = {}
+    bound: set[str] = set()
+
+    def read(e: Expr) -> None:
+        for ld in loads_of(e):
+            reads.setdefault(ld.buffer, []).append(ld.indices)
+
+    def visit(ns: Iterable[LoopNode]) -> None:
+        for n in ns:
+            if isinstance(n, Loop):
+                bound.add(n.iterator)
+                read(n.lower)
+                read(n.upper)
+                visit(n.body)
+            elif isinstance(n, If):
+                read(n.cond)
+                visit(n.then)
+                visit(n.orelse)
+            else:
+                writes.setdefault(n.buffer, []).append(n.indices)
+                for e in (n.value, *n.indices):
+                    read(e)
+
+    visit(nodes)
+    return writes, reads, bound
+
+
+def _map_nodes(nodes: Iterable[LoopNode], fn: Callable[[Expr], Expr], rename: Mapping[str, str]) -> tuple:
+    out = []
+    for n in nodes:
+        if isinstance(n, Loop):
+            out.append(replace(n, lower=fn(n.lower), upper=fn(n.upper), body=_map_nodes(n.body, fn, rename)))
+        elif isinstance(n, If):
+            out.append(replace(n, cond=fn(n.cond), then=_map_nodes(n.then, fn, rename),
+                               orelse=_map_nodes(n.orelse, fn, rename)))
+        else:
+            out.append(replace(n, buffer=rename.get(n.buffer, n.buffer), indices=tuple(fn(i) for i in n.indices),
+                               value=fn(n.value)))
+    return tuple(out)
+
+
+def _substitute_nodes(nodes: Iterable[LoopNode], mapping: Mapping[str, Expr]) -> tuple:
+    return _map_nodes(nodes, lambda e: substitute(e, mapping), {})
+
+
+def rename_buffers(nodes: Iterable[LoopNode], mapping: Mapping[str, str]) -> list[LoopNode]:
+    """``nodes`` with every store to and load from buffer ``a`` going to ``mapping[a]``."""
+    if not mapping:
+        return list(nodes)
+
+    def fn(e: Expr) -> Expr:
+        return map_expr(e, lambda s: Load(mapping[s.buffer], s.indices)
+                        if isinstance(s, Load) and s.buffer in mapping else None)
+
+    return list(_map_nodes(nodes, fn, mapping))
