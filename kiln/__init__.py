@@ -5,6 +5,7 @@
     fast = kiln.compile(model, (x,))              # inference module; same call, same outputs
     graph = kiln.capture(model, (x,))             # the kiln graph IR (strict)
     opt = torch.compile(model, backend="kiln")    # kiln as a torch.compile backend
+    step = kiln.compile_train(model, loss_fn, optimizer, (x, y))  # a whole training step
 
 Importing kiln imports torch but neither ``torch._dynamo`` nor ``transformers``; the
 ``"kiln"`` torch.compile backend is registered when Dynamo is first imported.
@@ -15,6 +16,7 @@ __version__ = "0.1.0"
 from kiln.ir import KilnError
 from kiln.ir.errors import IllegalTransformError, ScheduleError
 from kiln.compiler.api import capture, compile
+from kiln.compiler.train import compile_train
 from kiln.compiler.errors import UnsupportedOpError
 from kiln.compiler.fallback import KilnFallbackWarning
 from kiln.compiler.dynamo import install_registration as _install_registration
@@ -32,4 +34,4 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'kiln' has no attribute {name!r}")
 
 __all__ = ["IllegalTransformError", "KilnError", "KilnFallbackWarning", "Schedule", "ScheduleError",
-           "UnsupportedOpError", "__version__", "capture", "compile", "loops"]
+           "UnsupportedOpError", "__version__", "capture", "compile", "compile_train", "loops"]

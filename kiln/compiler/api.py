@@ -13,7 +13,10 @@ decomposition table, then
 
 Either way the result is a :class:`~kiln.runtime.CompiledModule`: called like the model,
 checks its inputs first, reads the model's live parameters at every call, and returns the
-model's output structure.  It is an inference module: outputs never require grad.
+model's output structure.  It takes part in autograd
+(:class:`~kiln.compiler.autograd.TrainableCompiledModule`): under ``torch.no_grad()``, or
+when nothing requires grad, it runs the inference graph; otherwise kiln's forward graph,
+and ``.backward()`` runs kiln's backward graph.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from kiln.ir import Graph, KilnError
 from kiln.runtime import CompiledModule, InputSlot, tensor_type
 
 from . import capture as capture_mod
+from .autograd import DifferentiableGraph, GradModeRunner, TrainableCompiledModule
 from .errors import CaptureError, UnsupportedOpError
 from .fallback import CompiledFx, GraphTransform, compile_fx, unsupported_nodes
 
@@ -48,7 +52,9 @@ def compile(model_or_function: torch.nn.Module | Callable[..., Any], example_inp
             Shapes and dtypes are fixed by them; non-tensor arguments are specialized.
         backend: a registered backend name (``kiln.backends.available_backends()``) or a
             :class:`~kiln.backends.Backend` instance.
-        passes: ``"default"`` (:func:`kiln.passes.default_pipeline`), ``None`` for no passes,
+        passes: ``"default"`` (:func:`kiln.passes.default_pipeline`), ``"learned"`` (passes
+            ordered per graph by a trained policy, :func:`kiln.passes.learned_pipeline`),
+            ``None`` for no passes,
             a pass pipeline text such as ``"cse,dce"``, a sequence of passes, or any object
             whose ``run(graph)`` returns a Graph or a result with ``.graph``.
         strict: raise :class:`UnsupportedOpError` instead of running unsupported ops in
@@ -138,6 +144,10 @@ def resolve_passes(passes: Any) -> GraphTransform | None:
         from kiln.passes import default_pipeline
 
         passes = default_pipeline()
+    elif passes == "learned":
+        from kiln.passes import learned_pipeline
+
+        passes = learned_pipeline()
     elif isinstance(passes, (str, list, tuple)):
         try:
             from kiln.passes.manager import PassManager
@@ -195,10 +205,14 @@ def _compile_whole(ep: ExportedProgram, args: tuple[Any, ...], kwargs: dict[str,
     types = dict(zip(captured.input_positions, (v.type for v in graph.inputs)))
     slots = _input_slots(ep, args, kwargs, types)
     executable = backend.build(graph, options)
+    if [v.name for v in graph.params] != [v.name for v in captured.graph.params]:
+        raise KilnError(f"kiln internal error: the passes reordered the params of graph @{graph.name}")
     params = [captured.params[v.name] for v in graph.params]
-    return CompiledModule(executable, inputs=slots, params=params,
-                          in_spec=ep.call_spec.in_spec, out_spec=ep.call_spec.out_spec, graphs=[graph],
-                          backend=backend.name, name=name, info={"fallback_ops": {}, "torch_nodes": 0})
+    differentiable = DifferentiableGraph(captured.graph, executable, backend, options, transform)
+    return TrainableCompiledModule(differentiable, executable, inputs=slots, params=params,
+                                   in_spec=ep.call_spec.in_spec, out_spec=ep.call_spec.out_spec,
+                                   graphs=[graph], backend=backend.name, name=name,
+                                   info={"fallback_ops": {}, "torch_nodes": 0})
 
 
 def _state_tensor(module: torch.nn.Module, ep: ExportedProgram, target: str) -> torch.Tensor:
@@ -239,8 +253,9 @@ class _ProgramRunner:
         for pos in self.param_positions:
             values[pos] = next(it)
         outputs = self.compiled(*values)
-        for index, buffer in self.mutated:
-            buffer.copy_(outputs[index])
+        with torch.no_grad():  # a buffer update is not part of the autograd graph
+            for index, buffer in self.mutated:
+                buffer.copy_(outputs[index])
         return [outputs[i] for i in self.user_outputs]
 
 
@@ -267,6 +282,7 @@ def _compile_with_fallback(module: torch.nn.Module, ep: ExportedProgram, args: t
                if s.kind == OutputKind.BUFFER_MUTATION]
     runner = _ProgramRunner(compiled, slots, len(specs), user_positions, param_positions, user_outputs,
                             mutated)
-    return CompiledModule(runner, inputs=slots, params=params, in_spec=ep.call_spec.in_spec,
-                          out_spec=ep.call_spec.out_spec, graphs=compiled.graphs, backend=backend.name,
-                          name=name, info=compiled.info)
+    return TrainableCompiledModule(GradModeRunner(runner), runner, inputs=slots, params=params,
+                                   in_spec=ep.call_spec.in_spec, out_spec=ep.call_spec.out_spec,
+                                   graphs=compiled.graphs, backend=backend.name, name=name,
+                                   info=compiled.info)

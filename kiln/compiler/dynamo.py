@@ -18,10 +18,15 @@ backend as one keyword argument ``options`` (and ``mode`` as ``mode=``, ignored 
 pipeline, ``None`` for none); every other key is an
 option of that backend (unknown keys raise).
 
-Graphs kiln cannot compile yet run eagerly, with one :class:`KilnFallbackWarning` each:
-graphs that need gradients (grad mode on and an input, e.g. a parameter, requiring grad --
-call the model under ``torch.no_grad()`` or ``torch.inference_mode()``) and graphs with
-dynamic shapes (pass ``dynamic=False``).
+Training works too: when grad mode is on and an input (e.g. a parameter) requires grad, the
+compiled graph still traces the forward computation only; every kiln partition then runs
+kiln's forward graph inside a ``torch.autograd.Function`` and ``.backward()`` runs the
+backward graph kiln derived from the ATen graph with its own autodiff pass
+(:mod:`kiln.compiler.autograd`; AOTAutograd is not involved).  Ops kiln does not support
+run in PyTorch and differentiate there.
+
+Graphs with dynamic shapes run eagerly, with one :class:`KilnFallbackWarning` each (pass
+``dynamic=False``).
 
 The backend is registered under the name ``kiln`` in two ways: the ``torch_dynamo_backends``
 entry point of the installed package, and :func:`install_registration` (run by
@@ -86,10 +91,6 @@ def _eager_reason(example_inputs: Sequence[Any]) -> str | None:
     if any(not isinstance(x, torch.Tensor) for x in example_inputs):
         return ("it has symbolic-size inputs (dynamic shapes), and kiln compiles static shapes only; "
                 "pass dynamic=False to torch.compile")
-    if torch.is_grad_enabled() and any(x.requires_grad for x in example_inputs):
-        return ("it needs gradients (grad mode is on and an input or parameter requires grad) and "
-                "kiln has no autodiff yet; call the model under torch.no_grad() or "
-                "torch.inference_mode() to run it with kiln")
     return None
 
 

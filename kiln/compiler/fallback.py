@@ -18,6 +18,9 @@ Guarantees:
   entirely in kiln, naming each unsupported ATen op with its count and source lines.
   ``strict=True`` raises the first unsupported node's
   :class:`~kiln.compiler.errors.UnsupportedOpError` (or the ``CaptureError``) instead.
+* Kiln graphs take part in autograd: in grad mode, with an input requiring grad, they run
+  kiln's forward graph and, on ``.backward()``, kiln's backward graph
+  (:class:`kiln.compiler.autograd.DifferentiableGraph`); PyTorch nodes differentiate as usual.
 * The given graph module is never modified.
 """
 
@@ -38,6 +41,7 @@ from torch.fx.passes.operator_support import OperatorSupportBase
 
 from kiln.backends import DEFAULT_BACKEND, Backend, get_backend
 from kiln.compiler import capture as capture_mod
+from kiln.compiler.autograd import DifferentiableGraph
 from kiln.compiler.errors import CaptureError, UnsupportedOpError
 from kiln.ir import Graph, KilnError
 
@@ -184,7 +188,9 @@ def _build(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor], param_ind
     """Capture ``gm`` and build it; returns the graph and a runner over placeholder order."""
     captured = capture_mod.capture_fx(gm, list(example_inputs), param_indices=param_indices, name=name)
     graph = transform(captured.graph) if transform is not None else captured.graph
-    executable = backend.build(graph, dict(options or {}))
+    # Differentiable: in grad mode with inputs requiring grad it runs kiln's forward/backward.
+    executable = DifferentiableGraph(captured.graph, backend.build(graph, dict(options or {})),
+                                     backend, dict(options or {}), transform)
     n = len(example_inputs)
     order = [i for i in range(n) if i not in param_indices] + sorted(i for i in param_indices if i < n)
     if len(order) != len(graph.inputs) + len(graph.params):

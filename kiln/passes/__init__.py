@@ -1,8 +1,8 @@
 """Graph passes: infrastructure, rewriting and optimizations.
 
 Importing this package registers the built-in passes (``dce``, ``cse``, ``fold``,
-``simplify``, ``canonicalize``, ``sink-views``, ``composites``, ``fuse``).  See
-``docs/passes.md``.
+``simplify``, ``canonicalize``, ``sink-views``, ``composites``, ``fuse``, ``amp``).  See
+``docs/passes.md`` (``amp``: ``docs/training.md``).
 """
 
 from kiln.passes.base import Pass, PassResult, get_pass, register_pass, registered_passes
@@ -32,12 +32,24 @@ from kiln.passes.pattern import (
 
 # Built-in passes register themselves on import.
 from kiln.passes import canonicalize, composites, cse, dce, fold, fusion, layout, simplify  # noqa: E402,F401  isort: skip
+from kiln.passes import amp  # noqa: E402,F401  (registers "amp")
 from kiln.passes.pipeline import DEFAULT_PIPELINE, default_pipeline  # noqa: E402
+
+
+def learned_pipeline(*args, **options):
+    """The learned pipeline: passes ordered per graph by a trained policy, with the default
+    pipeline as fallback (:class:`kiln.passes.ordering.learned.LearnedPipeline`; see
+    ``docs/pass-ordering.md``).  Imported on first use."""
+    from kiln.passes.ordering.learned import learned_pipeline as make
+
+    return make(*args, **options)
+
 
 __all__ = [
     "DEFAULT_PIPELINE", "DUMP_ENV_VAR", "Builder", "Match", "Pass", "PassError", "PassManager",
     "PassResult", "PassStats", "Pat", "PatternPass", "PipelineSyntaxError", "Rewrite",
     "RewriteError", "any_value", "apply_patterns", "const", "default_pipeline", "get_pass",
+    "learned_pipeline",
     "op", "parse_pipeline", "pattern_pass", "pipeline_text", "register_pass",
     "registered_passes", "rewrite",
 ]

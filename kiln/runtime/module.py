@@ -11,8 +11,10 @@ Guarantees of :class:`CompiledModule`:
   them at every call, so in-place updates of the weights are seen.  (Rebinding a module
   attribute to a new tensor object is not; recompile then.)
 * Outputs are torch tensors, unflattened with the output spec, so tuples, dicts and
-  Hugging Face ``ModelOutput`` objects come back as in eager mode.  Outputs never require
-  grad: compiled modules are for inference.
+  Hugging Face ``ModelOutput`` objects come back as in eager mode.  When grad mode is on and
+  an input or parameter requires grad, the module runs kiln's forward graph inside a
+  ``torch.autograd.Function`` whose backward is kiln's generated backward graph
+  (:mod:`kiln.compiler.autograd`); otherwise it runs the inference graph.
 """
 
 from __future__ import annotations

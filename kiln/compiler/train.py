@@ -1,0 +1,477 @@
+"""``kiln.compile_train``: a whole training step -- forward, backward, optimizer -- as one graph.
+
+::
+
+    step = kiln.compile_train(model, loss_fn, optimizer, (x, y))
+    for x, y in data:
+        loss = step(x, y)          # updates model's params and optimizer.state in place
+
+How it is built: the model and the loss are exported together (a wrapper module computing
+``loss_fn(model(*inputs), *targets)``), captured into one kiln graph, optionally rewritten
+by the ``amp`` pass, differentiated by :func:`kiln.passes.autodiff.grad_graph`, and the
+optimizer's update is appended in IR (:func:`kiln.passes.optim.append_optimizer`).  The
+optional ``passes`` then see the whole step, update included, and the backend builds it.
+
+Guarantees of the returned :class:`TrainStep`:
+
+* ``step(*inputs, *targets)`` returns the loss (a float32 0-d tensor) and updates, in place
+  (``copy_``), every parameter of the optimizer that the loss depends on, and its optimizer
+  state, kept in ``optimizer.state`` in PyTorch's own format (``momentum_buffer``;
+  ``step``/``exp_avg``/``exp_avg_sq``).  Eager ``optimizer.step()`` calls can be mixed with
+  kiln steps: both continue the same trajectory.  Parameters the loss does not depend on are
+  left alone, as PyTorch leaves params whose ``.grad`` is ``None``.  ``.grad`` is not set.
+* Hyperparameters (``lr``, ``momentum``, ``dampening``, ``weight_decay``, ``betas``,
+  ``eps``) are read from ``optimizer.param_groups`` at every call, so schedulers work
+  without recompiling.  Changing a structural flag (``nesterov``, ``maximize``, momentum
+  becoming zero or non-zero) rebuilds the update part only.
+* Supported optimizers: ``torch.optim.SGD`` (momentum, dampening, nesterov, weight decay,
+  maximize), ``torch.optim.AdamW`` and ``torch.optim.Adam`` (amsgrad, maximize); several
+  param groups with their own hyperparameters.  Any other optimizer raises
+  :class:`~kiln.ir.KilnError` naming it and the supported ones.
+* ``amp="bfloat16"``/``"float16"`` computes matmuls and convs in low precision with float32
+  master weights (see :mod:`kiln.passes.amp`).  float16 adds dynamic loss scaling: a step
+  whose gradients overflow is skipped (params and state unchanged) and halves the scale;
+  ``step.loss_scale`` and ``step.scaler`` expose it.
+* Inputs are checked against the example inputs (shapes, dtypes) before anything runs.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from kiln.backends import DEFAULT_BACKEND, Backend, get_backend
+from kiln.ir import DType, Graph, KilnError, TensorType, Value
+from kiln.ir.ops.vjp import is_nondifferentiable
+from kiln.passes.amp import (
+    AutoMixedPrecision,
+    LossScaler,
+    low_dtype,
+    scale_loss,
+    unscale_gradients,
+)
+from kiln.passes.autodiff import grad_graph
+from kiln.passes.optim import GroupSpec, UpdateLayout, append_optimizer
+from kiln.runtime import InputMismatchError, tensor_type
+
+from . import capture as capture_mod
+from .api import as_args, resolve_passes
+
+SUPPORTED_OPTIMIZERS = ("torch.optim.SGD", "torch.optim.Adam", "torch.optim.AdamW")
+
+
+class _LossModule(torch.nn.Module):
+    """``loss_fn(model(*inputs), *targets)`` as one module, so both are exported together."""
+
+    def __init__(self, model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor], num_inputs: int):
+        super().__init__()
+        self.model = model
+        self.loss_fn = loss_fn  # a loss module becomes a submodule, a function an attribute
+        self.num_inputs = num_inputs
+
+    def forward(self, *args: torch.Tensor) -> torch.Tensor:
+        output = self.model(*args[: self.num_inputs])
+        return self.loss_fn(output, *args[self.num_inputs:])
+
+
+def compile_train(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor],
+                  optimizer: torch.optim.Optimizer, example_inputs: Any, *,
+                  num_targets: int | None = None, amp: str | None = None,
+                  scaler: LossScaler | None = None, backend: str | Backend = DEFAULT_BACKEND,
+                  passes: Any = None, **options: Any) -> TrainStep:
+    """Compile one training step of ``model`` (see the module docstring).
+
+    Args:
+        model: the model; its parameters are updated in place.
+        loss_fn: ``loss_fn(model_output, *targets)`` returning a scalar tensor.
+        optimizer: a ``torch.optim.SGD``, ``Adam`` or ``AdamW`` over the model's parameters.
+        example_inputs: the model's positional inputs followed by the targets.
+        num_targets: how many trailing example inputs are targets; by default the number of
+            required positional parameters of ``loss_fn`` after the model output.
+        amp: ``None``, ``"bfloat16"`` or ``"float16"`` (dynamic loss scaling).
+        scaler: the :class:`~kiln.passes.amp.LossScaler` for float16 (default:
+            ``torch.amp.GradScaler``'s defaults); given with another ``amp`` (or none) it
+            turns loss scaling on there too.
+        backend, passes, **options: as for :func:`kiln.compile`.
+    """
+    kind = _optimizer_kind(optimizer)
+    args = as_args(example_inputs)
+    targets = _count_targets(loss_fn) if num_targets is None else num_targets
+    if not 0 <= targets <= len(args):
+        raise KilnError(f"kiln.compile_train: num_targets={targets} but example_inputs has "
+                        f"{len(args)} entries (model inputs followed by targets)")
+    low = low_dtype(amp) if amp is not None else None
+    backend_impl = get_backend(backend)
+    backend_impl.resolve_options(options)  # unknown options fail before the slow export
+    wrapper = _LossModule(model, loss_fn, len(args) - targets)
+    captured = capture_mod.capture_program(capture_mod.export_program(wrapper, args),
+                                           name=type(model).__name__ + "_train")
+    graph, live = _readable_names(captured.graph, captured.params, captured.input_positions,
+                                  len(args) - targets)
+    graph, live = _merge_tied_params(graph, live)
+    _check_loss(graph)
+    if low is not None:
+        graph = AutoMixedPrecision(low.short).run(graph).graph
+    if scaler is None and low == DType.float16:
+        scaler = LossScaler()
+    return TrainStep(graph, live, captured.input_positions, args, optimizer, kind, scaler,
+                     backend_impl, options, resolve_passes(passes))
+
+
+class TrainStep:
+    """A compiled training step; call it with the model inputs and the targets.
+
+    Attributes: ``graph`` (the whole step as one kiln graph, update included), ``layout``
+    (where the optimizer's inputs and outputs are, :class:`kiln.passes.optim.UpdateLayout`),
+    ``scaler`` (the float16 :class:`~kiln.passes.amp.LossScaler`, else ``None``),
+    ``loss_scale``, ``stats``.
+    """
+
+    def __init__(self, forward: Graph, live: dict[str, torch.Tensor], input_positions: Sequence[int],
+                 example_args: tuple[Any, ...], optimizer: torch.optim.Optimizer, kind: str,
+                 scaler: LossScaler | None, backend: Backend, options: dict[str, Any],
+                 transform: Callable[[Graph], Graph] | None):
+        self.forward_graph = forward
+        self.live = live
+        self.optimizer = optimizer
+        self.kind = kind
+        self.scaler = scaler
+        self.backend = backend
+        self.options = options
+        self.transform = transform
+        self._positions = list(input_positions)
+        self._example = example_args
+        self._name_of = {id(t): name for name, t in live.items()}
+        self._trainable = _params_reaching_loss(forward)
+        self._key: tuple | None = None
+        self.graph: Graph | None = None
+        self.layout: UpdateLayout | None = None
+        self._executable: Any = None
+        self._plan: list[tuple[str, Any]] = []
+        self._skip_output: int | None = None
+        self._calls = 0
+        self.builds = 0
+        """How many times the step graph was built (1, plus one per structural change)."""
+        self.skipped_steps = 0
+        self._update_structure()
+
+    # ------------------------------------------------------------------ calling
+    @property
+    def loss_scale(self) -> float | None:
+        """The current float16 loss scale (``None`` without loss scaling)."""
+        return self.scaler.scale if self.scaler is not None else None
+
+    def __call__(self, *args: Any) -> torch.Tensor:
+        tensors = self._check_inputs(args)
+        self._update_structure()
+        feeds = [self._feed(entry, tensors) for entry in self._plan]
+        params = [self.live[v.name] for v in self.graph.params]
+        with torch.no_grad():
+            outputs = self._executable([*feeds, *params])
+        self._calls += 1
+        found_inf = bool(outputs[self._skip_output]) if self._skip_output is not None else False
+        if self.scaler is not None:
+            self.scaler.update(found_inf)
+        if found_inf:
+            self.skipped_steps += 1
+        else:
+            self._write_back(outputs)
+            # what torch's wrapper of optimizer.step() records, so LR schedulers do not warn
+            self.optimizer._opt_called = True  # type: ignore[attr-defined]
+        return outputs[self.layout.kept[0]]
+
+    def _check_inputs(self, args: tuple[Any, ...]) -> list[torch.Tensor]:
+        if len(args) != len(self._example):
+            raise InputMismatchError(
+                f"kiln: the training step takes {len(self._example)} arguments (model inputs "
+                f"then targets) but got {len(args)}")
+        tensors = []
+        for position, input_value in zip(self._positions, self.forward_graph.inputs):
+            value = args[position]
+            want = input_value.type
+            if not isinstance(value, torch.Tensor) or _type_of(value) != want:
+                got = f"{value.dtype} tensor of shape {tuple(value.shape)}" \
+                    if isinstance(value, torch.Tensor) else type(value).__name__
+                raise InputMismatchError(
+                    f"kiln: training step argument {position} ('{input_value.name}') expects "
+                    f"{want} but got {got}; compile a new step for new shapes")
+            tensors.append(value)
+        for position, example in enumerate(self._example):
+            if position not in self._positions and not _same_constant(example, args[position]):
+                raise InputMismatchError(
+                    f"kiln: training step argument {position} was {example!r} at compile time and "
+                    f"kiln specializes non-tensor arguments, but got {args[position]!r}")
+        return tensors
+
+    # ------------------------------------------------------------- building
+    def _update_structure(self) -> None:
+        """(Re)build the step graph when the optimizer's structure changed (or at first)."""
+        groups = self._group_specs()
+        key = tuple(groups)
+        if key != self._key:
+            self._build(groups)
+            self._key = key
+
+    def _group_specs(self) -> list[GroupSpec]:
+        specs = []
+        for group in self.optimizer.param_groups:
+            names = []
+            for p in group["params"]:
+                name = self._name_of.get(id(p))
+                if name is not None and name in self._trainable and p.requires_grad:
+                    names.append(name)
+            specs.append(_group_spec(self.kind, group, tuple(names)))
+        return specs
+
+    def _build(self, groups: list[GroupSpec]) -> None:
+        graph = self.forward_graph
+        loss_index = 0
+        scale_name = None
+        if self.scaler is not None:
+            graph, loss_index = scale_loss(graph, 0)
+            scale_name = graph.inputs[-1].name
+        wrt = [name for g in groups for name in g.params]
+        joint = grad_graph(graph, wrt=wrt, loss=loss_index)
+        step_graph, grads = joint.graph, dict(joint.grad_outputs)
+        skip = None
+        if scale_name is not None:
+            step_graph, skip = unscale_gradients(step_graph, list(grads.values()), scale_name)
+        step_graph, layout = append_optimizer(step_graph, groups, grads, skip_if=skip)
+        names_before = [v.name for v in step_graph.inputs]
+        if self.transform is not None:
+            step_graph = self.transform(step_graph)
+            if [v.name for v in step_graph.inputs] != names_before:
+                raise KilnError("kiln.compile_train: the passes changed the inputs of the training "
+                                "graph; passes must keep a graph's signature")
+        self.graph, self.layout = step_graph, layout
+        self._skip_output = layout.kept.get(skip) if skip is not None else None
+        self._plan = self._input_plan(step_graph, layout, scale_name)
+        self._executable = self.backend.build(step_graph, self.options)
+        self.builds += 1
+
+    def _input_plan(self, graph: Graph, layout: UpdateLayout, scale_name: str | None
+                    ) -> list[tuple[str, Any]]:
+        """How to fill each graph input at a call: ``(kind, detail)`` per input."""
+        plan: list[tuple[str, Any] | None] = [None] * len(graph.inputs)
+        for i in range(len(self.forward_graph.inputs)):
+            plan[i] = ("user", i)
+        for slot in layout.hypers:
+            plan[slot.input] = ("hyper", (slot.group, slot.name))
+        for slot in layout.states:
+            plan[slot.input] = ("state", (slot.param, slot.key))
+        for param, index in layout.has_buffer.items():
+            plan[index] = ("has_buffer", param)
+        for i, v in enumerate(graph.inputs):
+            if v.name == scale_name:
+                plan[i] = ("scale", None)
+        missing = [graph.inputs[i].name for i, p in enumerate(plan) if p is None]
+        if missing:
+            raise KilnError(f"kiln internal error: training graph inputs {missing} have no source")
+        return plan  # type: ignore[return-value]
+
+    # ------------------------------------------------------------ run-time feeds
+    def _feed(self, entry: tuple[str, Any], tensors: list[torch.Tensor]) -> torch.Tensor:
+        kind, detail = entry
+        if kind == "user":
+            return tensors[detail]
+        if kind == "hyper":
+            group, name = detail
+            return torch.tensor(_hyper(self.optimizer.param_groups[group], name), dtype=torch.float32)
+        if kind == "state":
+            param, key = detail
+            value = self.optimizer.state[self.live[param]].get(key)
+            if value is None:
+                return _initial_state(key, self.live[param])
+            return value
+        if kind == "has_buffer":
+            buffer = self.optimizer.state[self.live[detail]].get("momentum_buffer")
+            return torch.tensor(buffer is not None)
+        return torch.tensor(self.scaler.scale, dtype=torch.float32)
+
+    def _write_back(self, outputs: list[torch.Tensor]) -> None:
+        with torch.no_grad():
+            for name, index in self.layout.params.items():
+                self.live[name].copy_(outputs[index])
+            for slot in self.layout.states:
+                state = self.optimizer.state[self.live[slot.param]]
+                current = state.get(slot.key)
+                if current is None:
+                    state[slot.key] = _fresh_state(slot.key, outputs[slot.output], self.live[slot.param])
+                else:
+                    current.copy_(outputs[slot.output])
+
+    # ------------------------------------------------------------- inspection
+    @property
+    def stats(self) -> dict[str, Any]:
+        graph = self.graph
+        return {
+            "backend": self.backend.name,
+            "nodes": len(graph.nodes) if graph is not None else 0,
+            "ops": graph.op_histogram() if graph is not None else {},
+            "calls": self._calls,
+            "skipped_steps": self.skipped_steps,
+            "loss_scale": self.loss_scale,
+        }
+
+    def __repr__(self) -> str:
+        return (f"<TrainStep {self.kind} backend={self.backend.name}: "
+                f"{len(self.graph.nodes) if self.graph is not None else '?'} nodes>")
+
+
+# ------------------------------------------------------------------ helpers
+def _optimizer_kind(optimizer: Any) -> str:
+    kinds = {torch.optim.SGD: "sgd", torch.optim.Adam: "adam", torch.optim.AdamW: "adam"}
+    kind = kinds.get(type(optimizer))
+    if kind is None:
+        name = f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
+        raise KilnError(f"kiln.compile_train does not support the optimizer {name}; supported: "
+                        f"{', '.join(SUPPORTED_OPTIMIZERS)}. Run that optimizer eagerly, e.g. with a "
+                        "module compiled by kiln.compile and loss.backward()")
+    for group in optimizer.param_groups:
+        for flag in ("differentiable",):
+            if group.get(flag):
+                raise KilnError(f"kiln.compile_train does not support {flag}=True optimizers")
+    return kind
+
+
+def _group_spec(kind: str, group: dict[str, Any], params: tuple[str, ...]) -> GroupSpec:
+    if kind == "sgd":
+        return GroupSpec("sgd", params, momentum=float(group["momentum"]) != 0.0,
+                         nesterov=bool(group["nesterov"]), maximize=bool(group.get("maximize")))
+    return GroupSpec("adam", params, maximize=bool(group.get("maximize")),
+                     decoupled_weight_decay=bool(group.get("decoupled_weight_decay", False)),
+                     amsgrad=bool(group.get("amsgrad")))
+
+
+def _hyper(group: dict[str, Any], name: str) -> float:
+    if name == "beta1":
+        return float(group["betas"][0])
+    if name == "beta2":
+        return float(group["betas"][1])
+    return float(group[name])
+
+
+def _initial_state(key: str, param: torch.Tensor) -> torch.Tensor:
+    """What PyTorch's optimizers start a state entry from (``step`` 0, zero moments)."""
+    if key == "step":
+        return torch.tensor(0.0, dtype=torch.float32)
+    return torch.zeros_like(param, memory_format=torch.preserve_format)
+
+
+def _fresh_state(key: str, value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """A new state tensor holding ``value`` (kiln's outputs may share memory it reuses)."""
+    if key == "step":
+        return value.detach().clone().to(torch.float32)
+    out = torch.empty_like(param, memory_format=torch.preserve_format)
+    out.copy_(value)
+    return out
+
+
+def _same_constant(expected: Any, got: Any) -> bool:
+    try:
+        return type(expected) is type(got) and bool(expected == got)
+    except Exception:  # noqa: BLE001 - objects whose == is not a plain bool never match
+        return expected is got
+
+
+def _type_of(value: torch.Tensor) -> TensorType | None:
+    try:
+        return tensor_type(value)
+    except TypeError:
+        return None
+
+
+def _count_targets(loss_fn: Callable[..., Any]) -> int:
+    """Required positional parameters of ``loss_fn`` after the model output (default 1)."""
+    fn = loss_fn.forward if isinstance(loss_fn, torch.nn.Module) else loss_fn
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return 1
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if any(p.kind == p.VAR_POSITIONAL for p in params):
+        return 1
+    required = [p for p in positional if p.default is p.empty]
+    return max(len(required) - 1, 0)
+
+
+def _check_loss(graph: Graph) -> None:
+    if len(graph.outputs) != 1 or graph.outputs[0].type.rank != 0 \
+            or not graph.outputs[0].dtype.is_floating:
+        got = ", ".join(str(v.type) for v in graph.outputs) or "nothing"
+        raise KilnError(f"kiln.compile_train: loss_fn must return one floating-point scalar "
+                        f"tensor, but the captured step returns {got}; reduce the loss with "
+                        ".mean() or .sum()")
+
+
+def _readable_names(graph: Graph, params: dict[str, torch.Tensor], positions: Sequence[int],
+                    num_inputs: int) -> tuple[Graph, dict[str, torch.Tensor]]:
+    """The captured step with the model's own parameter names (``fc1.weight``, not
+    ``model.fc1.weight``) and inputs named ``input<i>`` / ``target<j>``."""
+    taken = {v.name for v in graph.values()}
+    renames: dict[str, str] = {}
+    for position, v in zip(positions, graph.inputs):
+        renames[v.name] = f"input{position}" if position < num_inputs else f"target{position - num_inputs}"
+    for v in graph.params:
+        if v.name.startswith("model."):
+            renames[v.name] = v.name[len("model."):]
+    if set(renames.values()) & (taken - set(renames)):
+        return graph, dict(params)  # a clash: keep the captured names
+    out = Graph(graph.name)
+    env: dict[Value, Value] = {}
+    for v in graph.inputs:
+        env[v] = out.add_input(renames.get(v.name, v.name), v.type)
+    for v in graph.params:
+        env[v] = out.add_param(renames.get(v.name, v.name), v.type)
+    for c in graph.constants:
+        env[c] = out.add_constant(c.data, c.dtype, c.name, dedup=False)
+    for node in graph.nodes:
+        copy = out.add_node(node.op, [env[v] for v in node.inputs], node.attrs,
+                            names=[v.name for v in node.outputs], loc=node.loc)
+        env.update(zip(node.outputs, copy.outputs))
+    out.set_outputs([env[v] for v in graph.outputs])
+    return out, {renames.get(name, name): tensor for name, tensor in params.items()}
+
+
+def _merge_tied_params(graph: Graph, params: dict[str, torch.Tensor]
+                       ) -> tuple[Graph, dict[str, torch.Tensor]]:
+    """One graph param per live tensor: params bound to the same tensor (tied weights such as
+    GPT-2's ``lm_head``/``wte``) are merged into the first, so their gradients add up."""
+    first: dict[int, Value] = {}
+    duplicates: list[tuple[Value, Value]] = []
+    for v in graph.params:
+        tensor = params[v.name]
+        if id(tensor) in first:
+            duplicates.append((v, first[id(tensor)]))
+        else:
+            first[id(tensor)] = v
+    if not duplicates:
+        return graph, dict(params)
+    g, vmap = graph.clone_with_map()
+    for dup, keep in duplicates:
+        g.replace_all_uses(vmap[dup], vmap[keep])
+        g.params.remove(vmap[dup])
+    live = {v.name: params[v.name] for v in g.params}
+    return g, live
+
+
+def _params_reaching_loss(graph: Graph) -> set[str]:
+    """Float params the loss (output 0) depends on through differentiable ops -- the params
+    PyTorch's autograd would give a ``.grad``."""
+    reached: dict[Value, set[str]] = {p: {p.name} for p in graph.params if p.dtype.is_floating}
+    for node in graph.nodes:
+        if is_nondifferentiable(node.op.vjp):
+            continue
+        sources = set().union(*(reached.get(v, set()) for v in node.inputs))
+        if not sources:
+            continue
+        for v in node.outputs:
+            if v.dtype.is_floating:
+                reached[v] = sources
+    return set(reached.get(graph.outputs[0], set()))
+
+
+__all__ = ["SUPPORTED_OPTIMIZERS", "TrainStep", "compile_train"]
