@@ -1,0 +1,103 @@
+"""The ``kiln`` console command: one entry point, one subcommand per tool.
+
+::
+
+    kiln bench --quick                  # the benchmark harness (python -m benchmarks)
+    kiln bench --models gpt2 --systems eager,kiln --threads 1
+    kiln tune-passes --out runs/rl      # train and evaluate a pass-ordering agent
+
+A subcommand is a :class:`Command`: a name, a one-line help, ``configure(parser)`` to declare
+its options and ``run(args, rest)`` returning the exit status.  ``forward`` commands take
+their arguments unparsed (``rest``) and hand them to a tool with its own parser, so
+``kiln bench --help`` shows the harness's options.  New tools add a ``Command`` to
+:data:`COMMANDS`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Command:
+    """One ``kiln`` subcommand."""
+
+    name: str
+    help: str
+    run: Callable[[argparse.Namespace, list[str]], int]
+    configure: Callable[[argparse.ArgumentParser], None] | None = None
+    forward: bool = False  # pass the remaining arguments through unparsed
+
+
+def _import_benchmarks() -> object:
+    """The ``benchmarks`` package of a kiln source checkout.
+
+    The harness lives beside the ``kiln`` package in the repository (it is not installed
+    with kiln), so when it is not importable as is, the checkout that holds this kiln is tried.
+    """
+    try:
+        return importlib.import_module("benchmarks.__main__")
+    except ModuleNotFoundError as error:
+        if error.name not in ("benchmarks", "benchmarks.__main__"):
+            raise
+    checkout = Path(__file__).resolve().parents[2]
+    if not (checkout / "benchmarks" / "harness.py").is_file():
+        raise SystemExit(
+            "kiln bench: the benchmark harness lives in the benchmarks/ folder of a kiln source "
+            f"checkout and none was found beside this kiln ({checkout}); clone the repository and run "
+            "`kiln bench` (or `python -m benchmarks`) from its root"
+        )
+    sys.path.insert(0, str(checkout))
+    return importlib.import_module("benchmarks.__main__")
+
+
+def _run_bench(args: argparse.Namespace, rest: list[str]) -> int:
+    harness = _import_benchmarks()
+    return int(harness.main(rest, prog="kiln bench"))  # type: ignore[attr-defined]
+
+
+def _run_tune_passes(args: argparse.Namespace, rest: list[str]) -> int:
+    from kiln.passes.ordering.tune import main as tune_main
+
+    return int(tune_main(rest, prog="kiln tune-passes"))
+
+
+COMMANDS: list[Command] = [
+    Command("bench", "benchmark kiln against PyTorch eager, Inductor, ONNX Runtime and TVM "
+                     "(options: kiln bench --help)", _run_bench, forward=True),
+    Command("tune-passes", "train a pass-ordering agent, evaluate it against the baselines, write a "
+                           "report (options: kiln tune-passes --help)", _run_tune_passes, forward=True),
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``kiln`` parser with one subparser per :data:`COMMANDS` entry."""
+    parser = argparse.ArgumentParser(prog="kiln", description="kiln, a deep-learning compiler for PyTorch "
+                                                              "models: command-line tools.")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    subparsers.required = True
+    for command in COMMANDS:
+        sub = subparsers.add_parser(command.name, help=command.help, description=command.help,
+                                    add_help=not command.forward)
+        if command.configure is not None:
+            command.configure(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``kiln`` console script; returns the exit status."""
+    parser = build_parser()
+    args, rest = parser.parse_known_args(list(sys.argv[1:] if argv is None else argv))
+    command = next(c for c in COMMANDS if c.name == args.command)
+    if rest and not command.forward:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    return command.run(args, rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
