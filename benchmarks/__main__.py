@@ -11,6 +11,7 @@ from pathlib import Path
 from .harness import DEFAULT_OUT, BenchConfig, run
 from .models import MODELS, select_workloads
 from .systems import SYSTEM_NAMES, make_systems
+from .train_bench import make_train_systems, run_train, select_train_workloads
 
 THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "TVM_NUM_THREADS")
 
@@ -44,6 +45,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="kiln backend (default: 'cpu' when registered, else kiln's default)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT,
                         help="output folder for results.md/.json/.png (default: benchmarks/results)")
+    parser.add_argument("--train", action="store_true",
+                        help="time whole training steps (forward, loss, backward, AdamW) instead of inference: "
+                             "models mlp, gpt2; systems eager, inductor, kiln, kiln-cpu; output in OUT/train")
     parser.add_argument("--no-plot", action="store_true", help="skip the PNG plot")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -81,13 +85,17 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
     try:  # unknown names fail here, before anything slow
-        select_workloads(args.models, quick=args.quick)
-        make_systems(args.systems, kiln_backend=args.kiln_backend)
+        if args.train:
+            select_train_workloads(args.models)
+            make_train_systems(args.systems, kiln_backend=args.kiln_backend)
+        else:
+            select_workloads(args.models, quick=args.quick)
+            make_systems(args.systems, kiln_backend=args.kiln_backend)
     except ValueError as error:
         parser.error(str(error))
     if args.threads and os.environ.get("KILN_BENCH_THREADS") != str(args.threads):
         _restart_with_threads(args.threads, argv)
-    document = run(config_from_args(args))
+    document = (run_train if args.train else run)(config_from_args(args))
     for kind, path in document.get("files", {}).items():
         print(f"{kind}: {path}")
     return 0

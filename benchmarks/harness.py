@@ -364,6 +364,20 @@ def _gc_frozen() -> Iterator[None]:
         gc.unfreeze()
 
 
+def time_entries(entries: list[_Entry], config: BenchConfig, progress: _Progress, label: str) -> None:
+    """Warm-up, then ``config.rounds`` interleaved timing rounds of the prepared ``entries``
+    (garbage collection paused); samples land in each entry's ``rounds``.  The caller picks
+    the autograd mode (inference: ``torch.inference_mode()``; training steps: none)."""
+    with _gc_paused():
+        for entry in entries:
+            if entry.ok:
+                _warm_up(entry, config.warmup or 0, config.budget_s or 0.0)
+        for round_index in range(config.rounds):
+            progress.show(f"{label}: round {round_index + 1}/{config.rounds}")
+            _timed_round(entries, round_index, config)
+            progress.step(f"{label}: round {round_index + 1} done")
+
+
 def bench_workload(model: torch.nn.Module, workload: Workload, systems: list[System], config: BenchConfig,
                    workdir: Path, progress: _Progress) -> dict[str, Any]:
     """Measure every system on one workload; returns the workload's JSON record."""
@@ -379,14 +393,8 @@ def bench_workload(model: torch.nn.Module, workload: Workload, systems: list[Sys
         progress.show(f"{workload.name}: {entry.system.name} compile")
         _prepare(entry, model, inputs, reference, workdir, workload.name)
         progress.step(f"{workload.name}: {entry.system.name} ready")
-    with torch.inference_mode(), _gc_paused():
-        for entry in entries:
-            if entry.ok:
-                _warm_up(entry, config.warmup or 0, config.budget_s or 0.0)
-        for round_index in range(config.rounds):
-            progress.show(f"{workload.name}: round {round_index + 1}/{config.rounds}")
-            _timed_round(entries, round_index, config)
-            progress.step(f"{workload.name}: round {round_index + 1} done")
+    with torch.inference_mode():
+        time_entries(entries, config, progress, workload.name)
     for entry in entries:
         summarize(entry.result, entry.rounds)
         entry.prepared = None

@@ -262,9 +262,9 @@ def _header(document: dict[str, Any]) -> list[str]:
               f"warm-up call(s), then {config['rounds']} rounds of up to {config['runs']} timed calls per "
               f"system; systems take turns round-robin (a turn: {config['settle_s']:g} s pause, one untimed "
               f"call, {block}); budget {config['budget_s']:g} s of calls per system per round; the better "
-              "round's median is reported. float32, `torch.inference_mode()`.")
+              "round's median is reported. " + document.get("mode_note", "float32, `torch.inference_mode()`."))
     busy = _busy_warning(machine)
-    return ["# kiln benchmark results", "", *([busy, ""] if busy else []), method, "",
+    return [f"# {document.get('title', 'kiln benchmark results')}", "", *([busy, ""] if busy else []), method, "",
             *_table(["machine", ""], rows), ""]
 
 
@@ -329,7 +329,7 @@ def _legend(document: dict[str, Any]) -> list[str]:
          "the exported file, kiln's compile cache when its backend uses one)."),
         ("- Memory: `run peak` is the peak-RSS growth during one call, `held` the RSS a system keeps "
          "after compiling; both are in-process lower bounds (see docs/benchmarks.md)."),
-        "- `max rel err`: max |output - eager| / max |eager| on the model output.",
+        document.get("error_note", "- `max rel err`: max |output - eager| / max |eager| on the model output."),
     ]
     return lines + [f"- {s['label']} not run: {s['note']}" for s in missing] + [""]
 
@@ -340,7 +340,24 @@ def to_markdown(document: dict[str, Any]) -> str:
     lines = _header(document) + _summary(document) + ["## Per workload", ""]
     for workload in document["workloads"]:
         lines += _workload_section(workload, labels)
-    return "\n".join(lines + _legend(document))
+    return "\n".join(lines + _saved_section(document) + _legend(document))
+
+
+def _saved_section(document: dict[str, Any]) -> list[str]:
+    """Activation bytes kept for the backward, per workload (training runs only)."""
+    saved = {w["name"]: w["saved_for_backward"] for w in document["workloads"] if w.get("saved_for_backward")}
+    if not saved:
+        return []
+    labels = _labels(document)
+    rows = []
+    for workload, systems in saved.items():
+        for name, by_policy in systems.items():
+            rows += [[workload, labels.get(name, name), policy, f"{count / 2**20:,.2f}"] for policy, count in by_policy.items()]
+    return ["## Activations saved for the backward (MB)", "",
+            ("kiln: `split_joint(...).saved_bytes` of the step's joint graph under each autodiff policy (the "
+             "compiled step keeps what `save-all` saves); eager: distinct storages autograd saves in one forward "
+             "(parameters and inputs excluded)."), "",
+            *_table(["workload", "system", "policy", "MB"], rows), ""]
 
 
 # --------------------------------------------------------------------------- plot

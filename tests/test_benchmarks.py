@@ -214,3 +214,33 @@ def test_outputs_unwrap_to_the_first_tensor() -> None:
         np.testing.assert_array_equal(first_array(output), tensor.numpy())
     assert relative_error(tensor + 0.5, tensor.numpy()) == pytest.approx(0.1)
     assert relative_error(tensor[:1], tensor.numpy()) == float("inf")
+
+
+# --------------------------------------------------------------------------- training step
+
+
+def test_training_step_benchmark_smoke(tmp_path: Path) -> None:
+    """Two timed training steps of a tiny MLP, eager and kiln (reference backend)."""
+    from benchmarks.train_bench import run_train
+
+    document = run_train(BenchConfig(models=["tiny-mlp"], systems=["eager", "kiln"], runs=2, warmup=0, rounds=1,
+                                     out=tmp_path, kiln_backend="reference", progress=False, settle_s=0.0,
+                                     plot=False))
+    (workload,) = document["workloads"]
+    assert workload["name"] == "tiny-mlp" and workload["loss"] == "MSE"
+    for name in ("eager", "kiln"):
+        result = workload["results"][name]
+        assert result["status"] == "ok", (name, result["reason"])
+        assert result["runs"] == 2 and len(result["samples_ms"]) == 2
+    kiln, eager = workload["results"]["kiln"], workload["results"]["eager"]
+    assert kiln["max_rel_err"] <= 1e-4  # first-step loss against eager's, same initial weights
+    assert kiln["vs_eager"] == pytest.approx(eager["median_ms"] / kiln["median_ms"])
+    saved = workload["saved_for_backward"]
+    # x@W1 -> GELU -> @W2 -> MSE: save-all keeps the hidden pre- and post-activation (16x128
+    # floats each) at least; remat recomputes GELU's output instead of saving it
+    assert saved["kiln"]["save-all"] >= 2 * 16 * 128 * 4
+    assert 0 < saved["kiln"]["remat"] < saved["kiln"]["save-all"]
+    assert saved["eager"]["autograd"] > 0
+    markdown = (tmp_path / "train" / "results.md").read_text()
+    assert markdown.startswith("# kiln training-step benchmark results")
+    assert "Activations saved for the backward" in markdown and "kiln (reference)" in markdown
