@@ -17,6 +17,8 @@ DEFAULT_PIPELINE = ",".join([
     "sink-views",
     "simplify",
     "composites",
+    "sink-views",  # composites (e.g. tanh-GELU) can leave reshape pairs that now cancel
+    "simplify",
     "cse",
     "dce",
     "fuse",
