@@ -5,6 +5,7 @@ setup(
     version="0.1.0",
     description="A deep-learning compiler for PyTorch models: graph IR, passes, loop IR, native backends",
     packages=find_packages(include=["kiln", "kiln.*"]),
+    package_data={"kiln.passes.ordering": ["policy.npz"]},
     python_requires=">=3.10",
     install_requires=[
         # Any recent torch works; CI installs the CPU build (torch==2.13.0) before kiln.
@@ -16,10 +17,14 @@ setup(
     ],
     extras_require={
         "loops": ["islpy>=2023.1"],
-        "test": ["pytest>=7", "hypothesis>=6", "transformers>=4.40", "islpy>=2023.1"],
+        "test": ["pytest>=7", "hypothesis>=6", "transformers>=4.40", "islpy>=2023.1",
+                 # pass-ordering tests; small pure-Python packages (torch is already required)
+                 "gymnasium>=1.0", "stable-baselines3>=2.3", "sb3-contrib>=2.3"],
+        "rl": ["gymnasium>=1.0", "stable-baselines3>=2.3", "sb3-contrib>=2.3", "tqdm", "rich"],
+        "bench": ["onnxruntime", "onnx", "onnxscript", "matplotlib", "tqdm"],
     },
     entry_points={
         "torch_dynamo_backends": ["kiln = kiln.compiler.dynamo:kiln_backend"],
-        "console_scripts": ["kiln-demo = kiln.compiler.demo:main"],
+        "console_scripts": ["kiln-demo = kiln.compiler.demo:main", "kiln = kiln.compiler.cli:main"],
     },
 )
