@@ -240,12 +240,12 @@ def test_backend_registry_errors_are_clear():
     model = MODELS["mlp"][0]()
     x = MODELS["mlp"][1]()[0][0]
     with pytest.raises(BackendError, match=r"has no option\(s\) fast; .*float64=False"):
-        kiln.compile(model, (x,), fast=True)
+        kiln.compile(model, (x,), backend="reference", fast=True)
 
 
 def test_reference_float64_option_keeps_dtypes():
     x = torch.randn(4, 6)
-    compiled = kiln.compile(lambda a: (a.exp() * 3).sum(-1), (x,), float64=True)
+    compiled = kiln.compile(lambda a: (a.exp() * 3).sum(-1), (x,), backend="reference", float64=True)
     out = compiled(x)
     assert out.dtype == torch.float32
     torch.testing.assert_close(out, (x.exp() * 3).sum(-1), rtol=1e-5, atol=1e-5)

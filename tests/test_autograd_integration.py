@@ -22,6 +22,7 @@ from torch.utils import _pytree as pytree
 import kiln
 from kiln.backends import get_backend
 from kiln.backends.base import ReferenceExecutable
+from kiln.backends.cpu.backend import CpuExecutable
 from kiln.compiler.autograd import DifferentiableGraph
 
 from models import MODELS, mlp
@@ -80,13 +81,12 @@ def assert_grads_match(model: nn.Module, want: dict[str, torch.Tensor | None]) -
 def kiln_runs(monkeypatch):
     """Names of the kiln graphs that ran (``...forward``/``...backward`` in training)."""
     calls: list[str] = []
-    original = ReferenceExecutable.__call__
+    for executable in (ReferenceExecutable, CpuExecutable):
+        def counting(self, args, original=executable.__call__):
+            calls.append(self.graph.name)
+            return original(self, args)
 
-    def counting(self, args):
-        calls.append(self.graph.name)
-        return original(self, args)
-
-    monkeypatch.setattr(ReferenceExecutable, "__call__", counting)
+        monkeypatch.setattr(executable, "__call__", counting)
     return calls
 
 

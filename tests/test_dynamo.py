@@ -13,6 +13,7 @@ from torch.utils import _pytree as pytree
 
 import kiln
 from kiln.backends.base import ReferenceExecutable
+from kiln.backends.cpu.backend import CpuExecutable
 from kiln.compiler.dynamo import kiln_backend
 
 from models import MODELS
@@ -44,15 +45,14 @@ def fresh_dynamo():
 
 @pytest.fixture
 def kiln_runs(monkeypatch):
-    """Counts calls into kiln's reference executables (proves kiln, not eager, ran)."""
+    """Counts calls into kiln's reference and cpu executables (proves kiln, not eager, ran)."""
     calls: list[str] = []
-    original = ReferenceExecutable.__call__
+    for executable in (ReferenceExecutable, CpuExecutable):
+        def counting(self, args, original=executable.__call__):
+            calls.append(self.graph.name)
+            return original(self, args)
 
-    def counting(self, args):
-        calls.append(self.graph.name)
-        return original(self, args)
-
-    monkeypatch.setattr(ReferenceExecutable, "__call__", counting)
+        monkeypatch.setattr(executable, "__call__", counting)
     return calls
 
 

@@ -1,6 +1,7 @@
 """Backends: the protocol and registry (:mod:`kiln.backends.base`) and the backends.
 
-``reference`` (numpy, op by op) is registered here; later backends register the same way.
+``reference`` (numpy, op by op) and ``cpu`` (generated C + OpenMP, :mod:`kiln.backends.cpu`)
+are registered here; later backends register the same way.
 """
 
 from .base import (
@@ -13,6 +14,7 @@ from .base import (
     get_backend,
     register_backend,
 )
+from . import cpu  # noqa: F401  (registers "cpu"; its heavy parts load on first build)
 
 __all__ = [
     "DEFAULT_BACKEND", "Backend", "BackendError", "Executable", "ReferenceBackend",

@@ -30,8 +30,9 @@ import torch
 from kiln.ir import Graph, KilnError
 from kiln.runtime.tensors import from_numpy, to_numpy
 
-DEFAULT_BACKEND = "reference"
-"""The backend :func:`kiln.compile` and ``torch.compile(backend="kiln")`` use by default."""
+DEFAULT_BACKEND = "cpu"
+"""The backend :func:`kiln.compile` and ``torch.compile(backend="kiln")`` use by default: the
+native cpu backend (:mod:`kiln.backends.cpu`); ``"reference"`` stays available."""
 
 
 class BackendError(KilnError):

@@ -82,6 +82,7 @@ class CompiledModule:
         self._total_s = 0.0
         self._last_s = 0.0
         self._kwarg_names = _kwarg_names(in_spec)
+        self._leaf_args = _leaf_arg_count(in_spec)
 
     # ------------------------------------------------------------------ calling
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -98,6 +99,8 @@ class CompiledModule:
         return pytree.tree_unflatten(list(outputs), self.out_spec)
 
     def _flatten(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+        if not kwargs and len(args) == self._leaf_args and all(type(a) is torch.Tensor for a in args):
+            return list(args)  # fast path: tensors exactly where the spec has leaves, no pytree walk
         if self.in_spec is None:
             if kwargs:
                 raise InputMismatchError(
@@ -213,6 +216,16 @@ def _kwarg_names(in_spec: pytree.TreeSpec | None) -> tuple[str, ...]:
         return ()
     kwargs_spec = in_spec.children()[1]
     return tuple(kwargs_spec.context or ())
+
+
+def _leaf_arg_count(in_spec: pytree.TreeSpec | None) -> int:
+    """How many positional arguments when the spec is ``(leaf, ..., leaf), {}``, else -1."""
+    if in_spec is None or in_spec.type is not tuple or in_spec.num_children != 2:
+        return -1
+    args_spec, kwargs_spec = in_spec.children()
+    if kwargs_spec.num_children or any(not child.is_leaf() for child in args_spec.children()):
+        return -1
+    return args_spec.num_children
 
 
 def _check_tensor(index: int, slot: InputSlot, value: Any) -> None:

@@ -1,0 +1,489 @@
+"""C for the cpu backend: all kernels of a graph in one translation unit.
+
+Each kernel is a (scheduled) loop program printed as a ``static`` C function, plus an
+exported entry point with one uniform signature, ``void kiln_kN(void *const *args)``, that
+receives the raw data pointers of its buffers in a fixed order.  What the printer adds to
+:func:`kiln.ir.loops.to_c`'s rules (it subclasses the same printer, overriding a few hooks):
+
+* **No user text reaches C.**  Buffers, parameters and iterators are renamed to generated
+  identifiers (``b0``, ``v0``) before printing; kernel symbols are generated; comments pass
+  through :func:`c_comment`, which keeps only ``[A-Za-z0-9_.%@ ,:-]``.
+* **Annotations become OpenMP.**  ``parallel`` -> ``#pragma omp parallel for`` (directly
+  nested rectangular parallel loops collapse into one ``collapse(n)`` region; parallel marks
+  inside a parallel loop are not nested regions), ``vectorized`` -> ``#pragma omp simd``,
+  ``unrolled(f)`` -> ``#pragma GCC unroll f``.
+* **Reductions accumulate in registers.**  A loop nest whose statements are all reductions
+  into cells that do not depend on the nest's iterators (``out[i] += x[i, k]`` over ``k``)
+  is printed with one scalar accumulator per cell, loaded before and stored after the nest;
+  innermost loops get ``#pragma omp simd reduction(op: acc)`` (vectorized partial sums).
+  When such a nest is not inside a parallel loop and does at least
+  :data:`PARALLEL_REDUCTION_WORK` iterations, its outer loop becomes
+  ``#pragma omp parallel for reduction(op: acc)``: per-thread partials combined at the end.
+  Both change the order of floating-point additions (by design; results stay within
+  rounding of the serial order).
+* **No aliasing.**  Global buffers are ``restrict`` parameters: the memory plan never lets
+  a kernel's output share memory with its inputs.
+* Small local buffers live on the stack, zero-initialized; large ones are ``calloc``-ed.
+* A kernel may start with a GEMM (:mod:`.gemm`) whose result its loops read (the fused
+  epilogue of a matmul).
+* ``kiln_run(calls, n, ptrs)`` runs a sequence of the unit's kernels from a table in one
+  foreign call (:class:`kiln.runtime.plan.NativeRunStep`).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from kiln.ir.loops.cgen import _PRELUDE, _CPrinter, c_type
+from kiln.ir.loops.expr import Const, Expr, Load, Var, free_vars, map_expr, walk
+from kiln.ir.loops.program import Buffer, If, Loop, Node, Param, Program, Reduce, Store
+from kiln.ir.types import DType
+
+from .gemm import GemmSpec, blas_prelude, gemm_function
+
+PARALLEL_REDUCTION_WORK = 1 << 16
+"""Iterations from which a top-level reduction nest is split into per-thread partials."""
+STACK_LOCAL_BYTES = 1 << 15
+"""Local buffers up to this size are stack arrays; larger ones are heap-allocated."""
+_SIMD_REDUCTION = {"+": "+", "*": "*", "max": "max", "min": "min"}
+_COMMENT_SAFE = re.compile(r"[^A-Za-z0-9_.%@ ,:\-]")
+
+
+class UnsupportedKernelError(ValueError):
+    """A loop program the C printer cannot express (e.g. a dtype without a C type)."""
+
+
+def c_comment(text: str) -> str:
+    """``text`` made safe inside a C comment: only ``[A-Za-z0-9_.%@ ,:-]``, at most 120 chars."""
+    return _COMMENT_SAFE.sub("_", text)[:120]
+
+
+@dataclass(frozen=True)
+class KernelSource:
+    """One kernel to print: ``symbol`` (an identifier kiln generated), the program, the
+    global buffers passed at run time in call order (``args``), global buffers holding
+    constants (``constants``: printed into the C as static arrays), values of the program's
+    parameters, and a free-text ``comment`` (sanitized when printed).  With ``gemm`` the
+    kernel first runs that GEMM, then the program (its epilogue), if any."""
+
+    symbol: str
+    program: Program | None
+    args: tuple[str, ...]
+    constants: Mapping[str, np.ndarray] = field(default_factory=dict)
+    params: Mapping[str, int | float] = field(default_factory=dict)
+    comment: str = ""
+    gemm: GemmSpec | None = None
+    """A GEMM run first on ``args[0]``, ``args[1]`` into ``args[2]`` (:mod:`.gemm`)."""
+
+
+# ----------------------------------------------------------------------------- renaming
+def sanitize_program(program: Program) -> tuple[Program, dict[str, str]]:
+    """``program`` with buffers renamed ``b0, b1, ...`` and parameters and iterators
+    ``v0, v1, ...``; returns it and the buffer renaming (old -> new)."""
+    buffers = {b.name: f"b{i}" for i, b in enumerate(program.buffers)}
+    names: dict[str, str] = {}
+    for p in program.params:
+        names.setdefault(p.name, f"v{len(names)}")
+    for loop in program.loops():
+        names.setdefault(loop.iterator, f"v{len(names)}")
+
+    def expr(e: Expr) -> Expr:
+        def one(x: Expr) -> Expr | None:
+            if isinstance(x, Var):
+                return Var(names.get(x.name, x.name))
+            if isinstance(x, Load):
+                return Load(buffers[x.buffer], x.indices)
+            return None
+        return map_expr(e, one)
+
+    def nodes(body: tuple[Node, ...]) -> tuple[Node, ...]:
+        out: list[Node] = []
+        for n in body:
+            if isinstance(n, Loop):
+                out.append(replace(n, iterator=names[n.iterator], lower=expr(n.lower), upper=expr(n.upper),
+                                   body=nodes(n.body)))
+            elif isinstance(n, If):
+                out.append(replace(n, cond=expr(n.cond), then=nodes(n.then), orelse=nodes(n.orelse)))
+            else:
+                out.append(replace(n, buffer=buffers[n.buffer], indices=tuple(expr(i) for i in n.indices),
+                                   value=expr(n.value)))
+        return tuple(out)
+
+    renamed = Program(
+        name="kernel",
+        params=tuple(Param(names[p.name], p.dtype) for p in program.params),
+        buffers=tuple(Buffer(buffers[b.name], tuple(expr(d) for d in b.shape), b.dtype, b.scope)
+                      for b in program.buffers),
+        body=nodes(program.body),
+    )
+    return renamed, buffers
+
+
+# ----------------------------------------------------------------------------- analysis
+def _statements(body: Sequence[Node]) -> list[Store | Reduce]:
+    out: list[Store | Reduce] = []
+    for n in body:
+        if isinstance(n, Loop):
+            out.extend(_statements(n.body))
+        elif isinstance(n, If):
+            out.extend(_statements(n.then))
+            out.extend(_statements(n.orelse))
+        else:
+            out.append(n)
+    return out
+
+
+def _iterators(body: Sequence[Node]) -> set[str]:
+    out: set[str] = set()
+    for n in body:
+        if isinstance(n, Loop):
+            out.add(n.iterator)
+            out |= _iterators(n.body)
+        elif isinstance(n, If):
+            out |= _iterators(n.then) | _iterators(n.orelse)
+    return out
+
+
+def _node_exprs(body: Sequence[Node]) -> list[Expr]:
+    out: list[Expr] = []
+    for n in body:
+        if isinstance(n, Loop):
+            out += [n.lower, n.upper, *_node_exprs(n.body)]
+        elif isinstance(n, If):
+            out += [n.cond, *_node_exprs(n.then), *_node_exprs(n.orelse)]
+        else:
+            out += [*n.indices, n.value]
+    return out
+
+
+def reduction_cells(loop: Loop) -> list[tuple[str, tuple[Expr, ...], str]] | None:
+    """The cells ``(buffer, indices, combiner)`` a pure reduction nest accumulates into, or
+    ``None`` when ``loop`` is not one: every statement below must be a reduction whose
+    target indices use none of the nest's iterators, the targets must not be read inside,
+    and one buffer must be reached through one index tuple and one combiner only."""
+    statements = _statements((loop,))
+    if not statements or any(not isinstance(s, Reduce) for s in statements):
+        return None
+    inner = _iterators((loop,))
+    cells: dict[tuple[str, tuple[Expr, ...]], str] = {}
+    by_buffer: dict[str, tuple[Expr, ...]] = {}
+    for s in statements:
+        if any(free_vars(i) & inner for i in s.indices):
+            return None
+        if by_buffer.setdefault(s.buffer, s.indices) != s.indices:
+            return None
+        if cells.setdefault((s.buffer, s.indices), s.combiner) != s.combiner:
+            return None
+    targets = set(by_buffer)
+    for e in _node_exprs((loop,)):
+        if any(isinstance(x, Load) and x.buffer in targets for x in walk(e)):
+            return None
+    return [(b, idx, comb) for (b, idx), comb in cells.items()]
+
+
+def _const_extent(loop: Loop) -> int | None:
+    if isinstance(loop.lower, Const) and isinstance(loop.upper, Const):
+        return max(0, -(-(int(loop.upper.value) - int(loop.lower.value)) // loop.step))
+    return None
+
+
+def nest_work(body: Sequence[Node]) -> int | None:
+    """Statement instances executed by ``body`` when every bound is constant, else ``None``."""
+    total = 0
+    for n in body:
+        if isinstance(n, Loop):
+            extent, inner = _const_extent(n), nest_work(n.body)
+            if extent is None or inner is None:
+                return None
+            total += extent * inner
+        elif isinstance(n, If):
+            a, b = nest_work(n.then), nest_work(n.orelse)
+            if a is None or b is None:
+                return None
+            total += max(a, b)
+        else:
+            total += 1
+    return total
+
+
+# ----------------------------------------------------------------------------- printing
+class KernelPrinter(_CPrinter):
+    """:class:`kiln.ir.loops.cgen._CPrinter` with the cpu backend's hooks (module docstring)."""
+
+    def __init__(self, program: Program):
+        super().__init__(program)
+        self._accs: dict[tuple[str, tuple[Expr, ...]], str] = {}
+        self._in_parallel = False
+        self._n_accs = 0
+
+    # ---------------------------------------------------------------- function
+    def function(self, name: str) -> str:
+        p = self.program
+        args = [f"long {q.name}" for q in p.params if q.dtype.is_integer]
+        args += [f"{_ctype(q.dtype)} {q.name}" for q in p.params if not q.dtype.is_integer]
+        for b in p.buffers:
+            if b.scope == "global":
+                dims = [self.expr(d) for d in b.shape] or ["1"]
+                args.append(f"{_ctype(b.dtype)} {b.name}[restrict {dims[0]}]" + "".join(f"[{d}]" for d in dims[1:]))
+        self.lines.append(f"static void {name}({', '.join(args) or 'void'}) {{")
+        heap: list[Buffer] = []
+        for b in p.buffers:
+            if b.scope != "global" and self._local(b):
+                heap.append(b)
+        for n in p.body:
+            self.node(n, "  ")
+        for b in heap:
+            self.lines.append(f"  free({b.name});")
+        self.lines.append("}")
+        return "\n".join(self.lines)
+
+    def _local(self, b: Buffer) -> bool:
+        """Declare local buffer ``b``; True when it was heap-allocated (needs a free)."""
+        t = _ctype(b.dtype)
+        dims = [self.expr(d) for d in b.shape] or ["1"]
+        size = _static_size(b)
+        if size is not None and size * b.dtype.itemsize <= STACK_LOCAL_BYTES:
+            self.lines.append(f"  {t} {b.name}{''.join(f'[{d}]' for d in dims)} = {{0}};")
+            return False
+        inner = "".join(f"[{d}]" for d in dims[1:])
+        self.lines.append(f"  {t} (*{b.name}){inner} = calloc(KILN_MAX({dims[0]}, 1), sizeof *{b.name});")
+        return True
+
+    # ---------------------------------------------------------------- loops
+    def loop(self, n: Loop, ind: str) -> None:
+        cells = reduction_cells(n) if not self._accs_cover(n) else None
+        if cells is not None:
+            self._reduction_nest(n, cells, ind)
+            return
+        self._plain_loop(n, ind)
+
+    def _accs_cover(self, n: Loop) -> bool:
+        """Whether the statements of ``n`` already accumulate into registers (inner loop of a
+        nest being printed by :meth:`_reduction_nest`)."""
+        return bool(self._accs) and all((s.buffer, s.indices) in self._accs for s in _statements((n,)))
+
+    def _plain_loop(self, n: Loop, ind: str, pragma: str | None = None) -> None:
+        ann = n.annotation
+        opened_parallel = False
+        if pragma is not None:
+            self.lines.append(f"{ind}{pragma}")
+        elif ann.kind == "parallel" and not self._in_parallel:
+            depth = self._collapse_depth(n)
+            clause = f" collapse({depth})" if depth > 1 else ""
+            self.lines.append(f"{ind}#pragma omp parallel for schedule(static){clause}")
+            self._in_parallel = opened_parallel = True
+        elif ann.kind == "vectorized" or (ann.kind == "parallel" and self._is_innermost(n)):
+            reduction = self._simd_reduction_clause(n)
+            self.lines.append(f"{ind}#pragma omp simd{reduction}")
+        elif ann.kind == "unrolled":
+            self.lines.append(f"{ind}#pragma GCC unroll {ann.factor}")
+        elif self._accs and self._is_innermost(n):
+            self.lines.append(f"{ind}#pragma omp simd{self._simd_reduction_clause(n)}")
+        it = n.iterator
+        self.var_dtypes[it] = DType.int64
+        step = f"{it}++" if n.step == 1 else f"{it} += {n.step}"
+        self.lines.append(f"{ind}for (long {it} = {self.expr(n.lower)}; {it} < {self.expr(n.upper)}; {step}) {{")
+        for c in n.body:
+            self.node(c, ind + "  ")
+        self.lines.append(f"{ind}}}")
+        if opened_parallel:
+            self._in_parallel = False
+
+    def _collapse_depth(self, n: Loop) -> int:
+        depth, outer, cur = 1, {n.iterator}, n
+        while (len(cur.body) == 1 and isinstance(cur.body[0], Loop) and cur.body[0].annotation.kind == "parallel"
+               and not ((free_vars(cur.body[0].lower) | free_vars(cur.body[0].upper)) & outer)
+               and cur.body[0].step == 1):
+            cur = cur.body[0]
+            outer.add(cur.iterator)
+            depth += 1
+        return depth
+
+    @staticmethod
+    def _is_innermost(n: Loop) -> bool:
+        return not _iterators(n.body)
+
+    def _simd_reduction_clause(self, n: Loop) -> str:
+        used: dict[str, list[str]] = {}
+        for s in _statements((n,)):
+            acc = self._accs.get((s.buffer, s.indices)) if isinstance(s, Reduce) else None
+            if acc is None:
+                continue
+            if self.buf_dtypes[s.buffer] == DType.bool:
+                return ""  # OpenMP has no max/min reduction on _Bool; stay scalar
+            names = used.setdefault(_SIMD_REDUCTION[s.combiner], [])
+            if acc not in names:
+                names.append(acc)
+        return "".join(f" reduction({op}:{', '.join(accs)})" for op, accs in used.items())
+
+    def _reduction_nest(self, n: Loop, cells: list[tuple[str, tuple[Expr, ...], str]], ind: str) -> None:
+        self.lines.append(f"{ind}{{")
+        inner = ind + "  "
+        names = []
+        for buffer, indices, _ in cells:
+            acc = f"acc{self._n_accs}"
+            self._n_accs += 1
+            names.append(acc)
+            self.lines.append(f"{inner}{_ctype(self.buf_dtypes[buffer])} {acc} = {self.ref(buffer, indices)};")
+            self._accs[(buffer, indices)] = acc
+        pragma = None
+        work = nest_work((n,))
+        bools = any(self.buf_dtypes[b] == DType.bool for b, _, _ in cells)
+        if not self._in_parallel and not bools and work is not None and work >= PARALLEL_REDUCTION_WORK \
+                and n.annotation.kind in ("serial", "parallel"):
+            clause = self._simd_reduction_clause(n)
+            pragma = f"#pragma omp parallel for schedule(static){clause}"
+            self._in_parallel = True
+            self._plain_loop(replace(n, annotation=replace(n.annotation, kind="serial")), inner, pragma)
+            self._in_parallel = False
+        else:
+            self._plain_loop(n, inner)
+        for (buffer, indices, _), acc in zip(cells, names):
+            self.lines.append(f"{inner}{self.ref(buffer, indices)} = {acc};")
+            del self._accs[(buffer, indices)]
+        self.lines.append(f"{ind}}}")
+
+    # ---------------------------------------------------------------- statements
+    def statement(self, s: Store | Reduce, ind: str) -> None:
+        acc = self._accs.get((s.buffer, s.indices)) if isinstance(s, Reduce) else None
+        if acc is None:
+            super().statement(s, ind)
+            return
+        value = self.expr(s.value)
+        if s.combiner in ("+", "*"):
+            self.lines.append(f"{ind}{acc} {s.combiner}= {value};")
+        else:
+            macro = "KILN_MAX" if s.combiner == "max" else "KILN_MIN"
+            self.lines.append(f"{ind}{acc} = {macro}({acc}, {value});")
+
+
+def _ctype(dtype: DType) -> str:
+    try:
+        return c_type(dtype)
+    except ValueError:
+        raise UnsupportedKernelError(f"dtype {dtype.short} has no C type in the cpu backend") from None
+
+
+def _static_size(b: Buffer) -> int | None:
+    size = 1
+    for d in b.shape:
+        if not isinstance(d, Const):
+            return None
+        size *= int(d.value)
+    return size
+
+
+# ----------------------------------------------------------------------------- units
+def kernel_function(kernel: KernelSource) -> str:
+    """The C of one kernel: its static functions and its ``void sym(void *const *)`` entry."""
+    if not re.fullmatch(r"kiln_[A-Za-z0-9_]+", kernel.symbol):
+        raise ValueError(f"kernel symbol {kernel.symbol!r} is not a generated kiln identifier")
+    if kernel.program is None and kernel.gemm is None:
+        raise ValueError(f"kernel {kernel.symbol} has neither a program nor a GEMM")
+    position: dict[str, int | str] = {name: i for i, name in enumerate(kernel.args)}
+    comment = f"/* {c_comment(kernel.comment)} */\n" if kernel.comment else ""
+    parts = [comment]
+    calls = []
+    if kernel.gemm is not None:
+        if len(kernel.args) < 3:
+            raise ValueError(f"kernel {kernel.symbol}: a GEMM needs three args (A, B, C)")
+        parts.append(gemm_function(f"{kernel.symbol}_gemm", kernel.gemm))
+        calls.append(f"{kernel.symbol}_gemm(args[0], args[1], args[2]);")
+    if kernel.program is not None:
+        parts.append(_program_function(kernel, position, calls))
+    body = "\n  ".join(calls)
+    parts.append(f"void {kernel.symbol}(void *const *args) {{\n  {body}\n}}\n")
+    return "".join(parts)
+
+
+def _program_function(kernel: KernelSource, position: dict[str, int | str], calls: list[str]) -> str:
+    assert kernel.program is not None
+    program, _ = sanitize_program(kernel.program)
+    globals_ = [b.name for b in kernel.program.buffers if b.scope == "global"]
+    operands = set(kernel.args[:2]) if kernel.gemm is not None else set()
+    expected = sorted(set(kernel.args) - operands | set(kernel.constants))
+    if sorted(globals_) != expected:
+        raise ValueError(f"kernel {kernel.symbol}: args {list(kernel.args)} and constants "
+                         f"{list(kernel.constants)} do not match the program's global buffers {globals_}")
+    lines = []
+    for i, (name, data) in enumerate(kernel.constants.items()):
+        lines.append(_static_array(f"{kernel.symbol}_c{i}", kernel.program.buffer(name), data))
+        position[name] = f"{kernel.symbol}_c{i}"
+    body_name = f"{kernel.symbol}_body"
+    lines.append(KernelPrinter(program).function(body_name) + "\n")
+    call_args = [_param_literal(q, kernel.params) for q in kernel.program.params if q.dtype.is_integer]
+    call_args += [_param_literal(q, kernel.params) for q in kernel.program.params if not q.dtype.is_integer]
+    call_args += [f"args[{position[b]}]" if isinstance(position[b], int) else f"(void *){position[b]}"
+                  for b in globals_]
+    calls.append(f"{body_name}({', '.join(call_args)});")
+    return "".join(lines)
+
+
+def _static_array(name: str, buffer: Buffer, data: np.ndarray) -> str:
+    """``static const T name[n] = {...};`` holding ``data`` exactly (hex float literals)."""
+    values = np.asarray(data, dtype=buffer.dtype.numpy).reshape(-1)
+    text = ", ".join(_c_literal(v, buffer.dtype) for v in values.tolist()) or "0"
+    return f"static const {_ctype(buffer.dtype)} {name}[{max(values.size, 1)}] = {{{text}}};\n"
+
+
+def _c_literal(value: float, dtype: DType) -> str:
+    if dtype == DType.bool:
+        return "1" if value else "0"
+    if dtype.is_integer:
+        return f"{int(value)}L" if dtype == DType.int64 else str(int(value))
+    f = float(value)
+    if math.isnan(f):
+        return "NAN"
+    if f in (float("inf"), float("-inf")):
+        return "INFINITY" if f > 0 else "-INFINITY"
+    return f.hex() + ("f" if dtype == DType.float32 else "")
+
+
+def _param_literal(param: Param, values: Mapping[str, int | float]) -> str:
+    if param.name not in values:
+        raise ValueError(f"no value for program parameter '{param.name}'")
+    value = values[param.name]
+    if param.dtype.is_integer:
+        return f"{int(value)}L"
+    return _c_literal(value, param.dtype)
+
+
+def translation_unit(kernels: Sequence[KernelSource], declarations: str = "") -> str:
+    """One C file holding every kernel (see the module docstring) and ``kiln_run``, which runs
+    a sequence of them in one call (kernel ``i`` of the table is ``kernels[i]``);
+    ``declarations`` go after the prelude (the vector math declarations of :mod:`.toolchain`)."""
+    parts = ["/* generated by kiln's cpu backend */", "#include <string.h>", _PRELUDE, declarations]
+    if any(k.gemm is not None for k in kernels):
+        parts.append(blas_prelude())
+    parts += [kernel_function(k) for k in kernels]
+    parts.append(_runner(kernels))
+    return "\n".join(parts)
+
+
+def _runner(kernels: Sequence[KernelSource]) -> str:
+    """``kiln_run(calls, n, ptrs)``: run ``n`` kernels of the table in one foreign call."""
+    table = ", ".join(k.symbol for k in kernels) or "0"
+    return ("typedef void (*kiln_kernel_fn)(void *const *);\n"
+            f"static const kiln_kernel_fn kiln_table[] = {{{table}}};\n"
+            "void kiln_run(const long *calls, long n, void *const *ptrs) {\n"
+            "  for (long i = 0; i < n; i++) kiln_table[calls[2 * i]](ptrs + calls[2 * i + 1]);\n"
+            "}\n")
+
+
+__all__ = [
+    "PARALLEL_REDUCTION_WORK",
+    "KernelPrinter",
+    "KernelSource",
+    "UnsupportedKernelError",
+    "c_comment",
+    "kernel_function",
+    "nest_work",
+    "reduction_cells",
+    "sanitize_program",
+    "translation_unit",
+]

@@ -1,0 +1,328 @@
+"""GEMM calls from generated C: matrix products through the BLAS libraries already loaded.
+
+A ``matmul`` whose operands are (batched) matrices with one unit stride each is a
+:class:`GemmSpec`: sizes, BLAS transpose flags and leading dimensions, batch strides (all
+read from the operands' predicted layouts, so transposed weight views such as ``x @ W.T``
+of ``nn.Linear`` are read in place) and the BLAS *provider*.  :func:`gemm_function` prints
+a C function calling the provider's Fortran ``sgemm``/``dgemm`` through function pointers
+that the backend sets once after loading the shared object (``kiln_set_blas``).  The
+generated kernel then runs the GEMM and its fused epilogue in one native call.
+
+Providers (:func:`blas_providers`) are the BLAS libraries torch and numpy bring along,
+found by symbol: ``mkl`` (``sgemm_`` of ``libtorch_cpu``, 32-bit indices) and ``openblas``
+(``scipy_sgemm_64_`` of numpy's bundled OpenBLAS, 64-bit indices).  Which is faster depends
+on the CPU (on AMD Zen 2, OpenBLAS runs large GEMMs ~30% faster, MKL wins on
+matrix-vector shapes), so :class:`GemmTuner` times both once per GEMM shape and machine
+and remembers the choice in ``gemm.json`` of the compile cache folder; GEMMs under
+:data:`TUNE_MIN_FLOPS` use MKL without timing.
+
+Row-major ``C[M,N] = A[M,K] @ B[K,N]`` is column-major ``C^T = B^T A^T``: the call is
+``gemm(tB, tA, N, M, K, 1, B, ldb, A, lda, 0, C, N)``.  A batch whose right operand is
+shared and whose left operand's rows are evenly spaced becomes one GEMM with ``M * batch``
+rows.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import glob
+import json
+import math
+import os
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kiln.ir.types import DType
+
+_CTYPE = {DType.float32: "float", DType.float64: "double"}
+PROVIDERS = ("mkl", "openblas")
+_INDEX = {"mkl": ("int", ctypes.c_int), "openblas": ("long", ctypes.c_long)}
+TUNE_MIN_FLOPS = 4e6
+"""GEMMs with fewer flops use MKL without timing (its small-shape paths are the faster)."""
+
+
+def blas_prelude() -> str:
+    """Declarations every translation unit with a GEMM kernel starts with."""
+    lines = []
+    for provider in PROVIDERS:
+        index = _INDEX[provider][0]
+        for prefix, ctype in (("s", "float"), ("d", "double")):
+            lines.append(f"typedef void (*kiln_{prefix}gemm_{provider}_fn)(const char *, const char *, "
+                         f"const {index} *, const {index} *, const {index} *, const {ctype} *, const {ctype} *, "
+                         f"const {index} *, const {ctype} *, const {index} *, const {ctype} *, {ctype} *, "
+                         f"const {index} *);")
+            lines.append(f"static kiln_{prefix}gemm_{provider}_fn kiln_{prefix}gemm_{provider};")
+    lines.append("void kiln_set_blas(long provider, void *sgemm, void *dgemm) {")
+    for i, provider in enumerate(PROVIDERS):
+        lines.append(f"  if (provider == {i}) {{ kiln_sgemm_{provider} = (kiln_sgemm_{provider}_fn)sgemm; "
+                     f"kiln_dgemm_{provider} = (kiln_dgemm_{provider}_fn)dgemm; }}")
+    lines.append("}")
+    return "\n".join(lines) + "\n"
+
+
+@dataclass(frozen=True)
+class Operand:
+    """One matrix operand in the column-major call: BLAS ``trans`` flag and leading dim."""
+
+    trans: str
+    ld: int
+
+
+@dataclass(frozen=True)
+class GemmSpec:
+    """``C[batch..., M, N] = A[batch..., M, K] @ B[batch..., K, N]`` (see module docstring).
+
+    ``batch`` are the output batch sizes; ``a_strides``/``b_strides`` the element strides of
+    the operands along them (0 where an operand is broadcast); C is contiguous."""
+
+    dtype: DType
+    m: int
+    n: int
+    k: int
+    a: Operand
+    b: Operand
+    batch: tuple[int, ...] = ()
+    a_strides: tuple[int, ...] = ()
+    b_strides: tuple[int, ...] = ()
+    provider: str = "mkl"
+
+    @property
+    def flops(self) -> int:
+        return 2 * self.m * self.n * self.k * math.prod(self.batch)
+
+
+def _matrix(rows: int, cols: int, s_rows: int, s_cols: int, row_major: str, col_major: str) -> Operand | None:
+    """The operand of a ``rows x cols`` matrix with strides ``(s_rows, s_cols)``."""
+    if cols == 1 or s_cols == 1:
+        ld = s_rows if rows > 1 else max(cols, 1)
+        if ld >= max(cols, 1):
+            return Operand(row_major, ld)
+    if rows == 1 or s_rows == 1:
+        ld = s_cols if cols > 1 else max(rows, 1)
+        if ld >= max(rows, 1):
+            return Operand(col_major, ld)
+    return None
+
+
+def gemm_spec(a: torch.Tensor, b: torch.Tensor, dtype: DType) -> GemmSpec | None:
+    """The GEMM computing ``torch.matmul(a, b)`` for meta tensors ``a`` and ``b`` with their
+    predicted strides (offsets are applied by the caller), or ``None`` when it is not one:
+    an operand is 1-d or has no unit stride, or the dtype has no BLAS routine."""
+    if dtype not in _CTYPE or a.dim() < 2 or b.dim() < 2:
+        return None
+    m, k = a.shape[-2:]
+    k2, n = b.shape[-2:]
+    if k != k2:
+        return None
+    a_op = _matrix(m, k, a.stride(-2), a.stride(-1), "N", "T")
+    b_op = _matrix(k, n, b.stride(-2), b.stride(-1), "N", "T")
+    if a_op is None or b_op is None:
+        return None
+    batch = tuple(torch.broadcast_shapes(a.shape[:-2], b.shape[:-2]))
+    spec = GemmSpec(dtype, m, n, k, a_op, b_op, batch, _batch_strides(a, batch), _batch_strides(b, batch))
+    return _merge_batch(spec)
+
+
+def _batch_strides(t: torch.Tensor, batch: tuple[int, ...]) -> tuple[int, ...]:
+    lead = len(batch) - (t.dim() - 2)
+    out = []
+    for i in range(len(batch)):
+        j = i - lead
+        out.append(0 if j < 0 or t.shape[j] == 1 else t.stride(j))
+    return tuple(out)
+
+
+def _merge_batch(spec: GemmSpec) -> GemmSpec:
+    """One GEMM over ``M * batch`` rows when B is shared and A's rows are evenly spaced."""
+    if not spec.batch or any(spec.b_strides) or spec.a.trans != "N":
+        return spec
+    expected = spec.m * spec.a.ld
+    for size, stride in zip(reversed(spec.batch), reversed(spec.a_strides)):
+        if size != 1 and stride != expected:
+            return spec
+        expected *= size
+    rows = spec.m * math.prod(spec.batch)
+    ld = spec.a.ld if rows > 1 else max(spec.k, 1)
+    return GemmSpec(spec.dtype, rows, spec.n, spec.k, Operand("N", ld), spec.b, provider=spec.provider)
+
+
+def gemm_function(name: str, spec: GemmSpec) -> str:
+    """``static void name(const T *A, const T *B, T *C)`` running ``spec``."""
+    ctype = _CTYPE[spec.dtype]
+    index = _INDEX[spec.provider][0]
+    routine = f"kiln_{'s' if spec.dtype == DType.float32 else 'd'}gemm_{spec.provider}"
+    lines = [f"static void {name}(const {ctype} *A, const {ctype} *B, {ctype} *C) {{",
+             f"  const {index} m = {spec.n}, n = {spec.m}, k = {spec.k}, lda = {spec.b.ld}, "
+             f"ldb = {spec.a.ld}, ldc = {max(spec.n, 1)};",
+             f"  const {ctype} one = 1, zero = 0;"]
+    call = (f"{routine}(\"{spec.b.trans}\", \"{spec.a.trans}\", &m, &n, &k, &one, B + b_off, &lda, A + a_off, "
+            "&ldb, &zero, C + c_off, &ldc);")
+    if spec.m == 0 or spec.n == 0:
+        lines.append("  (void)A; (void)B; (void)C; (void)one; (void)zero;")
+    elif not spec.batch:
+        lines.append("  const long a_off = 0, b_off = 0, c_off = 0;")
+        lines.append(f"  {call}")
+    else:
+        lines.append(f"  for (long t = 0; t < {math.prod(spec.batch)}L; t++) {{")
+        lines.append("    long r = t, a_off = 0, b_off = 0;")
+        for size, sa, sb in reversed(list(zip(spec.batch, spec.a_strides, spec.b_strides))):
+            lines.append(f"    a_off += (r % {size}) * {sa}L; b_off += (r % {size}) * {sb}L; r /= {size};")
+        lines.append(f"    const long c_off = t * {spec.m * spec.n}L;")
+        lines.append(f"    {call}")
+        lines.append("  }")
+    lines.append("}")
+    return "\n".join(lines) + "\n"
+
+
+# ------------------------------------------------------------------------------ providers
+@dataclass(frozen=True)
+class BlasProvider:
+    """A loaded BLAS: the addresses of its ``sgemm``/``dgemm`` and how to set its threads."""
+
+    name: str
+    sgemm: int
+    dgemm: int
+    set_threads: object | None = None
+
+
+@functools.lru_cache(maxsize=1)
+def blas_providers() -> dict[str, BlasProvider]:
+    """The BLAS providers found in this process (see the module docstring); may be empty."""
+    found: dict[str, BlasProvider] = {}
+    torch_lib = os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so")
+    mkl = _symbols(torch_lib, "sgemm_", "dgemm_")
+    if mkl is not None:
+        found["mkl"] = BlasProvider("mkl", *mkl)
+    numpy_libs = os.path.join(os.path.dirname(np.__file__), os.pardir, "numpy.libs", "libscipy_openblas64_*.so")
+    for path in sorted(glob.glob(numpy_libs)):
+        symbols = _symbols(path, "scipy_sgemm_64_", "scipy_dgemm_64_")
+        if symbols is not None:
+            lib = ctypes.CDLL(path)
+            set_threads = getattr(lib, "scipy_openblas_set_num_threads64_", None)
+            found["openblas"] = BlasProvider("openblas", *symbols, set_threads)
+            break
+    return found
+
+
+def _symbols(path: str, sgemm: str, dgemm: str) -> tuple[int, int] | None:
+    if not os.path.exists(path):
+        return None
+    try:
+        lib = ctypes.CDLL(path)
+        s = ctypes.cast(getattr(lib, sgemm), ctypes.c_void_p).value
+        d = ctypes.cast(getattr(lib, dgemm), ctypes.c_void_p).value
+    except (OSError, AttributeError):
+        return None
+    return (int(s), int(d)) if s and d else None
+
+
+def set_blas_threads(threads: int) -> None:
+    """Make the providers that run their own thread pools (OpenBLAS) use ``threads``, as
+    torch's (MKL's OpenMP) pool does; numpy shares that OpenBLAS, so it follows too."""
+    for provider in blas_providers().values():
+        if provider.set_threads is not None:
+            provider.set_threads(ctypes.c_int(max(1, threads)))
+
+
+def blas_symbols() -> tuple[int, int] | None:
+    """``(sgemm, dgemm)`` of the default provider (MKL), or ``None`` without any BLAS."""
+    providers = blas_providers()
+    first = providers.get("mkl") or next(iter(providers.values()), None)
+    return None if first is None else (first.sgemm, first.dgemm)
+
+
+# ------------------------------------------------------------------------------ tuning
+class GemmTuner:
+    """Choose a provider per GEMM shape by timing each once (see the module docstring).
+
+    Choices persist in ``path`` (JSON, keyed by ``machine``, threads and the shape); with
+    ``path=None`` they last as long as the tuner."""
+
+    def __init__(self, path: Path | None, machine: str, threads: int):
+        self.path = path
+        self.machine = machine
+        self.threads = threads
+        self.timed = 0
+        self._lock = threading.Lock()
+        self._choices = self._load()
+
+    def _load(self) -> dict[str, str]:
+        if self.path is None or not self.path.exists():
+            return {}
+        try:
+            return {k: v for k, v in json.loads(self.path.read_text()).items() if v in PROVIDERS}
+        except (OSError, ValueError, AttributeError):
+            return {}
+
+    def choose(self, spec: GemmSpec) -> GemmSpec:
+        """``spec`` with its provider set."""
+        providers = blas_providers()
+        if len(providers) < 2 or spec.flops < TUNE_MIN_FLOPS:
+            return replace(spec, provider="mkl" if "mkl" in providers else next(iter(providers)))
+        fields = asdict(replace(spec, provider="", batch=(), a_strides=(), b_strides=()))
+        key = f"{self.machine}|threads={self.threads}|{json.dumps(fields, sort_keys=True, default=str)}"
+        with self._lock:
+            known = self._choices.get(key)
+        if known in providers:
+            return replace(spec, provider=known)
+        set_blas_threads(self.threads)
+        times = {name: _time_gemm(spec, providers[name]) for name in PROVIDERS if name in providers}
+        best = min(times, key=times.__getitem__)
+        self.timed += 1
+        with self._lock:
+            self._choices[key] = best
+            self._save()
+        return replace(spec, provider=best)
+
+    def _save(self) -> None:
+        if self.path is None:
+            return
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            merged = {**self._load(), **self._choices}
+            fd, tmp = tempfile.mkstemp(prefix=".gemm.", dir=self.path.parent)
+            with os.fdopen(fd, "w") as f:
+                json.dump(merged, f, indent=1, sort_keys=True)
+            os.replace(tmp, self.path)
+        except OSError:
+            pass  # an unwritable cache folder only costs timing again next time
+
+
+def _time_gemm(spec: GemmSpec, provider: BlasProvider, repeat: int = 3) -> float:
+    """Best seconds of one GEMM of ``spec``'s shape (one batch entry) with ``provider``."""
+    index_c = _INDEX[provider.name][1]
+    scalar = ctypes.c_float if spec.dtype == DType.float32 else ctypes.c_double
+    pointer = ctypes.POINTER(index_c)
+    fn = ctypes.CFUNCTYPE(None, ctypes.c_char_p, ctypes.c_char_p, pointer, pointer, pointer, ctypes.c_void_p,
+                          ctypes.c_void_p, pointer, ctypes.c_void_p, pointer, ctypes.c_void_p, ctypes.c_void_p,
+                          pointer)(provider.sgemm if spec.dtype == DType.float32 else provider.dgemm)
+    dtype = np.float32 if spec.dtype == DType.float32 else np.float64
+    a = np.random.default_rng(0).standard_normal(max(spec.a.ld * max(spec.m, spec.k), 1)).astype(dtype)
+    b = np.random.default_rng(1).standard_normal(max(spec.b.ld * max(spec.k, spec.n), 1)).astype(dtype)
+    c = np.empty(max(spec.m * spec.n, 1), dtype)
+    m, n, k = index_c(spec.n), index_c(spec.m), index_c(spec.k)
+    lda, ldb, ldc = index_c(spec.b.ld), index_c(spec.a.ld), index_c(max(spec.n, 1))
+    one, zero = scalar(1), scalar(0)
+
+    def run() -> None:
+        fn(spec.b.trans.encode(), spec.a.trans.encode(), m, n, k, ctypes.addressof(one), b.ctypes.data, lda,
+           a.ctypes.data, ldb, ctypes.addressof(zero), c.ctypes.data, ldc)
+
+    run()
+    best = float("inf")
+    for _ in range(repeat):
+        start = time.perf_counter()
+        run()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+__all__ = ["PROVIDERS", "TUNE_MIN_FLOPS", "BlasProvider", "GemmSpec", "GemmTuner", "Operand", "blas_prelude",
+           "blas_providers", "blas_symbols", "gemm_function", "gemm_spec", "set_blas_threads"]

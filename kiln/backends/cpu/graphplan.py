@@ -1,0 +1,465 @@
+"""A graph as the cpu backend runs it: a list of operations on planned values.
+
+:func:`build_graph_plan` turns each node, by its chosen implementation
+(:mod:`kiln.backends.cpu.select`), into operations (:class:`PlanOp`):
+
+* ``kernel``  -- one native function: a generated loop kernel of a node, a GEMM
+  (:mod:`.gemm`), or a GEMM followed by the generated kernel of its fused epilogue;
+  lowered and compiled only on a compile-cache miss;
+* ``library`` -- a library or reference call on torch tensors;
+* ``view``    -- a zero-copy torch view, run only where a torch call, a copy or a graph
+  output needs the view tensor: kernels read views as their root's pointer plus an offset;
+* ``copy``    -- a strided value copied into a contiguous buffer before a loop kernel reads it;
+* ``contiguous`` -- an argument or a library result made contiguous (a no-op when it is)
+  before kernels read it or views of it;
+* ``clone``   -- a graph output that would alias a build-time constant is copied;
+* ``release`` -- tensors returned by library calls are dropped after their last use.
+
+Every value (:class:`PlanValue`) has a slot, an origin and a ``meta`` tensor with its
+predicted strides and storage offset within its root.  Layouts of views come from applying
+the same torch view functions to ``meta`` tensors, so they are exactly what the runtime
+sees once roots are contiguous; arguments and library results that kernels read are made
+contiguous at run time, which makes every prediction a kernel relies on hold.
+
+:func:`lifetimes` gives each buffer written in place its lifetime in operations (reads of
+its views included) for the memory plan; buffers reachable from a graph output are not
+planned (they are allocated per call: outputs escape).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from kiln.ir import Graph, Node, Value
+from kiln.ir.types import TensorType
+from kiln.runtime.tensors import from_numpy, torch_dtype
+
+from .absorb import absorb_views, permute_result
+from .gemm import GemmSpec, gemm_spec
+from .library import VIEWS, LibraryCall, library_call, reference_call
+from .plan import BufferRequest
+from .select import Choice, anchor_of
+
+
+@dataclass(eq=False)
+class PlanValue:
+    """A tensor of the plan. ``origin``: ``arg``, ``const``, ``buffer`` (written in place by an
+    operation), ``returned`` (a new tensor from a library call) or ``view``."""
+
+    slot: int
+    type: TensorType
+    name: str
+    origin: str
+    base: PlanValue | None = None
+    meta: torch.Tensor | None = None
+    const: torch.Tensor | None = None
+    fresh: bool = False
+    """A buffer allocated per call instead of in the arena (it escapes as a graph output)."""
+    view_node: Node | None = None
+    """For a view: the view op that makes it from ``base`` (kernels absorb it, see absorb.py)."""
+
+    def root(self) -> PlanValue:
+        v = self
+        while v.base is not None:
+            v = v.base
+        return v
+
+    @property
+    def byte_offset(self) -> int:
+        """Offset of this value's first element from its root's, in bytes."""
+        assert self.meta is not None
+        return self.meta.storage_offset() * self.meta.element_size()
+
+
+@dataclass(eq=False)
+class PlanOp:
+    """One operation (see the module docstring).  For kernels, ``args`` are the values whose
+    pointers the native function receives, in order; ``temps`` are buffers it uses only
+    inside (a GEMM result read by the epilogue)."""
+
+    kind: str
+    inputs: list[PlanValue]
+    outputs: list[PlanValue]
+    label: str
+    node: Node | None = None
+    kernel_kind: str = ""
+    call: LibraryCall | None = None
+    view: Callable[[torch.Tensor], torch.Tensor] | None = None
+    gemm: GemmSpec | None = None
+    temps: list[PlanValue] = field(default_factory=list)
+
+    @property
+    def args(self) -> list[PlanValue]:
+        """Kernel arguments: GEMM operands (A, B, C), then the loop kernel's distinct inputs
+        and its outputs."""
+        if self.gemm is None:
+            return [*dict.fromkeys(self.inputs), *self.outputs]
+        a, b, *rest = self.inputs
+        if self.node is None:
+            return [a, b, self.outputs[0]]
+        result = (self.temps or self.outputs)[0]
+        loop_outputs = [v for v in self.outputs if v is not result]
+        return [a, b, *dict.fromkeys([result, *rest]), *loop_outputs]
+
+
+@dataclass
+class GraphPlan:
+    """What :func:`build_graph_plan` returns."""
+
+    graph: Graph
+    values: list[PlanValue]
+    args: list[PlanValue]
+    ops: list[PlanOp]
+    outputs: list[PlanValue]
+    choices: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def kernels(self) -> list[PlanOp]:
+        return [op for op in self.ops if op.kind == "kernel"]
+
+
+class _Builder:
+    def __init__(self, graph: Graph, gemm: Callable[[GemmSpec], GemmSpec] | None):
+        self.graph = graph
+        self.gemm_provider = gemm
+        self.values: list[PlanValue] = []
+        self.ops: list[PlanOp] = []
+        self.of: dict[Value, PlanValue] = {}
+
+    def new(self, type: TensorType, name: str, origin: str, **kw) -> PlanValue:
+        pv = PlanValue(len(self.values), type, name, origin, **kw)
+        if pv.meta is None:
+            pv.meta = torch.empty(tuple(type.shape), dtype=torch_dtype(type.dtype), device="meta")
+        self.values.append(pv)
+        return pv
+
+    # ----------------------------------------------------------------- nodes
+    def node(self, node: Node, choice: Choice) -> None:
+        label = f"%{', %'.join(v.name for v in node.outputs)} = {node.kind}"
+        ins = [self.of[v] for v in node.inputs]
+        impl = choice.impl
+        if impl == "view":
+            self.view(node, ins[0], label)
+        elif impl == "fold":
+            result = node.op.reference(**node.attrs)
+            tensor = from_numpy(_as_array(result, node.outputs[0].type))
+            self.of[node.outputs[0]] = self.new(node.outputs[0].type, node.outputs[0].name, "const", const=tensor)
+        elif impl == "library" and node.kind == "matmul" and self.gemm(node, ins, label):
+            pass
+        elif impl == "library":
+            self.library(library_call(node), ins, list(node.outputs), label)
+        elif impl == "reference":
+            self.library(reference_call(node), ins, list(node.outputs), label)
+        elif impl == "library+epilogue":
+            self.library_epilogue(node, ins, label)
+        elif impl == "generated":
+            outs = [self.new(v.type, v.name, "buffer") for v in node.outputs]
+            self.of.update(zip(node.outputs, outs))
+            kind = node.attrs["kind"] if node.kind == "fused" else _kernel_kind(node)
+            self.ops.append(PlanOp("kernel", ins, outs, label, node=node, kernel_kind=kind))
+        else:
+            raise ValueError(f"unknown implementation {impl!r} for node {label}")
+
+    def view(self, node: Node, source: PlanValue, label: str) -> None:
+        fn = VIEWS[node.kind](node)
+        meta = fn(source.meta)
+        out = node.outputs[0]
+        if meta._is_view():
+            pv = self.new(out.type, out.name, "view", base=source, meta=meta, view_node=node)
+        else:  # torch's reshape copies here: a new contiguous tensor
+            pv = self.new(out.type, out.name, "returned")
+        self.of[out] = pv
+        self.ops.append(PlanOp("view", [source], [pv], label, view=fn))
+
+    def library(self, call: LibraryCall, ins: list[PlanValue], outs: list[Value], label: str) -> list[PlanValue]:
+        if call.channels_last and not call.writes_into and len(outs) == 1 and outs[0].type.rank == 4:
+            return [self.channels_last(call, ins, outs[0], label)]
+        origin = "buffer" if call.writes_into else "returned"
+        pvs = [self.new(v.type, v.name, origin) for v in outs]
+        self.of.update(zip(outs, pvs))
+        self.ops.append(PlanOp("library", ins, pvs, f"{label} [{call.label}]", call=call))
+        return pvs
+
+    def channels_last(self, call: LibraryCall, ins: list[PlanValue], out: Value, label: str) -> PlanValue:
+        """A library call whose NCHW result is laid out channels-last: the slot holds the
+        contiguous NHWC tensor, and the NCHW value is a ``permute`` view of it (which kernels
+        absorb and torch calls read as it is)."""
+        n, c, h, w = out.type.shape
+        physical_type = out.type.with_shape((n, h, w, c))
+        physical = self.new(physical_type, out.name + ".nhwc", "returned")
+        scratch = Graph("layout")
+        to_nchw = scratch.add_node("permute", [scratch.add_input("nhwc", physical_type)], {"dims": [0, 3, 1, 2]})
+        fn = call.function
+        library = LibraryCall(lambda *tensors: fn(*tensors).permute(0, 2, 3, 1), False, call.label, True)
+        self.ops.append(PlanOp("library", ins, [physical], f"{label} [{call.label}]", call=library))
+        view_fn = VIEWS["permute"](to_nchw)
+        logical = self.new(out.type, out.name, "view", base=physical, meta=view_fn(physical.meta),
+                           view_node=to_nchw)
+        self.ops.append(PlanOp("view", [physical], [logical], f"%{out.name} = NCHW view", view=view_fn))
+        self.of[out] = logical
+        return logical
+
+    def _gemm_spec(self, anchor: Node, a: PlanValue, b: PlanValue) -> GemmSpec | None:
+        if self.gemm_provider is None or anchor.kind != "matmul":
+            return None
+        spec = gemm_spec(a.meta, b.meta, anchor.outputs[0].dtype)
+        return None if spec is None else self.gemm_provider(spec)
+
+    def gemm(self, node: Node, ins: list[PlanValue], label: str) -> bool:
+        """A plain matmul as a native GEMM kernel, when its operands allow one."""
+        spec = self._gemm_spec(node, ins[0], ins[1])
+        if spec is None:
+            return False
+        out = self.new(node.outputs[0].type, node.outputs[0].name, "buffer")
+        self.of[node.outputs[0]] = out
+        self.ops.append(PlanOp("kernel", ins, [out], f"{label} [gemm]", kernel_kind="matmul", gemm=spec))
+        return True
+
+    def library_epilogue(self, node: Node, ins: list[PlanValue], label: str) -> None:
+        body: Graph = node.attrs["body"]
+        anchor = anchor_of(body)
+        assert anchor is not None
+        operand = dict(zip(body.inputs, ins))
+        result = anchor.outputs[0]
+        anchor_ins = [operand[v] for v in anchor.inputs]
+        spec = self._gemm_spec(anchor, *anchor_ins[:2]) if anchor.kind == "matmul" else None
+        epilogue, used = split_epilogue(body, anchor)
+        escapes = result in body.outputs
+        if spec is not None:
+            anchor_pv = self.new(result.type, result.name, "buffer")
+        else:
+            anchor_pv = self.library(library_call(anchor), anchor_ins, [result], f"%{result.name} = {anchor.kind}")[0]
+        outs: list[PlanValue] = []
+        for graph_out, body_out in zip(node.outputs, body.outputs):
+            if body_out is result:
+                self.of[graph_out] = anchor_pv
+            else:
+                pv = self.new(graph_out.type, graph_out.name, "buffer")
+                self.of[graph_out] = pv
+                outs.append(pv)
+        synthetic = None
+        if epilogue is not None:
+            scratch = Graph("epilogue")
+            operands = [scratch.add_input(v.name, v.type) for v in epilogue.inputs]
+            synthetic = scratch.add_node("fused", operands, {"kind": "elementwise", "body": epilogue})
+        if spec is not None:
+            op_outs = ([anchor_pv] if escapes else []) + outs
+            temps = [] if escapes else [anchor_pv]
+            epi_ins = [operand[v] for v in used]
+            self.ops.append(PlanOp("kernel", [*anchor_ins[:2], *epi_ins], op_outs, f"{label} [gemm+epilogue]",
+                                   node=synthetic, kernel_kind="elementwise", gemm=spec, temps=temps))
+        elif synthetic is not None:
+            self.ops.append(PlanOp("kernel", [anchor_pv] + [operand[v] for v in used], outs, f"{label} epilogue",
+                                   node=synthetic, kernel_kind="elementwise"))
+
+    # ----------------------------------------------------------------- layouts
+    def channels_last_kernels(self) -> None:
+        """Keep convolution chains channels-last: a 4-d kernel result (not a graph output) whose
+        every reader is a channels-last convolution or another kernel is written NHWC
+        (:func:`.absorb.permute_result`); readers see the NCHW value as a view, which kernels
+        absorb and convolutions take as it is.  No layout round trips between layers."""
+        if not any(op.kind == "library" and op.call.channels_last for op in self.ops):
+            return
+        escaping = {self.of[v].root().slot for v in self.graph.outputs}
+        readers: dict[int, list[PlanOp]] = {}
+        for op in self.ops:
+            for pv in op.inputs:
+                readers.setdefault(pv.root().slot, []).append(op)
+        for index in range(len(self.ops) - 1, -1, -1):
+            op = self.ops[index]
+            if op.kind != "kernel" or op.node is None or op.gemm is not None or len(op.outputs) != 1:
+                continue
+            out = op.outputs[0]
+            if out.type.rank != 4 or out.slot in escaping or not readers.get(out.slot):
+                continue
+            if not all(r.kind == "kernel" or (r.kind == "library" and r.call.channels_last)
+                       for r in readers[out.slot]):
+                continue
+            self.ops[index + 1:index + 1] = [self._to_channels_last(op, out)]
+
+    def _to_channels_last(self, op: PlanOp, out: PlanValue) -> PlanOp:
+        n, c, h, w = out.type.shape
+        physical = self.new(out.type.with_shape((n, h, w, c)), out.name + ".nhwc", "buffer")
+        permute_result(op, [0, 2, 3, 1])
+        op.outputs = [physical]
+        scratch = Graph("layout")
+        to_nchw = scratch.add_node("permute", [scratch.add_input("nhwc", physical.type)], {"dims": [0, 3, 1, 2]})
+        view_fn = VIEWS["permute"](to_nchw)
+        out.origin, out.base, out.view_node = "view", physical, to_nchw
+        out.meta = view_fn(physical.meta)
+        return PlanOp("view", [physical], [out], f"%{out.name} = NCHW view", view=view_fn)
+
+    def contiguous_inputs(self) -> None:
+        """Make every kernel's reads valid: strided views a loop kernel reads are absorbed into
+        it (:mod:`.absorb`) or, failing that, copied into contiguous buffers; arguments and
+        library results that kernels read (or read views of) become contiguous at run time."""
+        ops: list[PlanOp] = []
+        copies: dict[int, PlanValue] = {}
+        roots_read: set[int] = set()
+        for op in self.ops:
+            if op.kind == "kernel":
+                absorb_views(op)
+                fixed = []
+                for i, pv in enumerate(op.inputs):
+                    if op.gemm is not None and i < 2:  # GEMM operands: any unit-stride layout
+                        roots_read.add(pv.root().slot)
+                        fixed.append(pv)
+                        continue
+                    if pv.slot in copies:
+                        fixed.append(copies[pv.slot])
+                        continue
+                    roots_read.add(pv.root().slot)
+                    if pv.meta.is_contiguous():
+                        fixed.append(pv)
+                        continue
+                    copy = self.new(pv.type, pv.name + ".contiguous", "buffer")
+                    ops.append(PlanOp("copy", [pv], [copy], f"contiguous copy of %{pv.name}"))
+                    copies[pv.slot] = copy
+                    fixed.append(copy)
+                op.inputs = fixed
+            ops.append(op)
+        self.ops = []
+        for pv in self.values:
+            if pv.origin == "arg" and pv.slot in roots_read:
+                self.ops.append(PlanOp("contiguous", [pv], [pv], f"contiguous argument %{pv.name}"))
+        for op in ops:
+            self.ops.append(op)
+            if op.kind in ("library", "view"):
+                for pv in op.outputs:
+                    if pv.origin == "returned" and pv.slot in roots_read:
+                        self.ops.append(PlanOp("contiguous", [pv], [pv], f"contiguous %{pv.name}"))
+
+    def outputs(self) -> list[PlanValue]:
+        outs: list[PlanValue] = []
+        for v in self.graph.outputs:
+            pv = self.of[v]
+            root = pv.root()
+            if root.origin == "buffer":
+                root.fresh = True
+            elif root.origin == "const":
+                clone = self.new(pv.type, pv.name + ".clone", "returned")
+                self.ops.append(PlanOp("clone", [pv], [clone], f"copy of constant output %{v.name}"))
+                pv = clone
+            outs.append(pv)
+        return outs
+
+    def prune_views(self, outputs: list[PlanValue]) -> None:
+        """Keep only the view operations whose tensors something other than a kernel needs."""
+        needed = {pv.slot for pv in outputs}
+        for op in self.ops:
+            if op.kind not in ("kernel", "view"):
+                needed.update(pv.slot for pv in op.inputs)
+        for op in reversed(self.ops):
+            if op.kind == "view" and (op.outputs[0].slot in needed or op.outputs[0].origin == "returned"):
+                needed.add(op.inputs[0].slot)
+        self.ops = [op for op in self.ops if op.kind != "view" or op.outputs[0].slot in needed
+                    or op.outputs[0].origin == "returned"]
+
+    def releases(self, outputs: list[PlanValue]) -> None:
+        """Drop tensors returned by library calls (and views of them) after their last use."""
+        keep = {pv.root().slot for pv in outputs}
+        last: dict[int, int] = {}
+        for i, op in enumerate(self.ops):
+            for pv in (*op.inputs, *op.outputs):
+                root = pv.root()
+                if root.origin == "returned" and root.slot not in keep:
+                    last[root.slot] = max(last.get(root.slot, i), i)
+                    if pv.origin == "view":
+                        last[pv.slot] = i
+        by_op: dict[int, list[PlanValue]] = {}
+        for slot, i in last.items():
+            by_op.setdefault(max(i, last[self.values[slot].root().slot]), []).append(self.values[slot])
+        ops: list[PlanOp] = []
+        for i, op in enumerate(self.ops):
+            ops.append(op)
+            if i in by_op:
+                ops.append(PlanOp("release", by_op[i], [], "release"))
+        self.ops = ops
+
+
+def _kernel_kind(node: Node) -> str:
+    for trait, kind in (("matmul", "matmul"), ("conv", "conv"), ("reduction", "reduction"),
+                        ("normalization", "reduction"), ("elementwise", "elementwise"),
+                        ("pointwise", "elementwise")):
+        if node.op.has(trait):
+            return kind
+    return "opaque"
+
+
+def _as_array(result: object, type: TensorType) -> np.ndarray:
+    return np.ascontiguousarray(np.asarray(result).astype(type.dtype.numpy, copy=False).reshape(type.shape))
+
+
+def split_epilogue(body: Graph, anchor: Node) -> tuple[Graph | None, list[Value]]:
+    """The epilogue of ``anchor`` in ``body`` as a graph whose first input is the anchor's
+    result and whose other inputs are the body inputs it reads (also returned); ``None``
+    when every body output is the anchor's result."""
+    result = anchor.outputs[0]
+    outputs = [v for v in body.outputs if v is not result]
+    if not outputs:
+        return None, []
+    read = {v for n in body.nodes if n is not anchor for v in n.inputs}
+    used = [v for v in body.inputs if v in read]
+    epi = Graph(f"{body.name}_epilogue")
+    vmap: dict[Value, Value] = {result: epi.add_input(result.name, result.type)}
+    for v in used:
+        vmap[v] = epi.add_input(v.name, v.type)
+    for c in body.constants:
+        vmap[c] = epi.add_constant(c.data, c.dtype, name=c.name, dedup=False)
+    for n in body.nodes:
+        if n is anchor:
+            continue
+        new = epi.add_node(n.op, [vmap[v] for v in n.inputs], n.attrs, names=[v.name for v in n.outputs])
+        vmap.update(zip(n.outputs, new.outputs))
+    epi.set_outputs([vmap[v] for v in outputs])
+    return epi, used
+
+
+def build_graph_plan(graph: Graph, choose: Callable[[Node], Choice], *,
+                     gemm: Callable[[GemmSpec], GemmSpec] | None = None) -> GraphPlan:
+    """The operations that run ``graph`` (module docstring); ``choose`` picks each node's
+    implementation; ``gemm`` (which sets a GEMM's BLAS provider) allows native GEMM kernels."""
+    b = _Builder(graph, gemm)
+    args = []
+    for v in (*graph.inputs, *graph.params):
+        pv = b.new(v.type, v.name, "arg")
+        b.of[v] = pv
+        args.append(pv)
+    for c in graph.constants:
+        b.of[c] = b.new(c.type, c.name, "const", const=from_numpy(c.data))
+    choices = {}
+    for node in graph.nodes:
+        choice = choose(node)
+        choices[", ".join(f"%{v.name}" for v in node.outputs) + f" = {node.kind}"] = choice.impl
+        b.node(node, choice)
+    b.channels_last_kernels()
+    b.contiguous_inputs()
+    outputs = b.outputs()
+    b.prune_views(outputs)
+    b.releases(outputs)
+    return GraphPlan(graph, b.values, args, b.ops, outputs, choices)
+
+
+def lifetimes(plan: GraphPlan) -> list[BufferRequest]:
+    """Lifetimes of the arena buffers: values written in place, not escaping, from the
+    operation that writes them to the last one reading them or a view of them."""
+    first: dict[int, int] = {}
+    last: dict[int, int] = {}
+    for i, op in enumerate(plan.ops):
+        for pv in (*op.outputs, *op.temps):
+            root = pv.root()
+            if root.origin == "buffer" and not root.fresh:
+                first.setdefault(root.slot, i)
+                last[root.slot] = max(last.get(root.slot, i), i)
+        for pv in op.inputs:
+            root = pv.root()
+            if root.origin == "buffer" and not root.fresh:
+                last[root.slot] = max(last.get(root.slot, i), i)
+    return [BufferRequest(slot, plan.values[slot].type.nbytes, first[slot], last[slot]) for slot in first]
+
+
+__all__ = ["GraphPlan", "PlanOp", "PlanValue", "build_graph_plan", "lifetimes", "split_epilogue"]

@@ -1,0 +1,157 @@
+"""The C toolchain of the cpu backend: find the compiler, name it, build shared objects.
+
+Every graph becomes one translation unit compiled once with
+``cc -O3 -march=native -fopenmp -fno-math-errno -shared -fPIC`` (:data:`FLAGS`).  The
+compiler's identity (its ``--version`` text, the flags and the machine) and the kiln build
+identity (version plus a hash of the code-generating sources) are part of the compile-cache
+key, so a new compiler, new flags, another CPU or changed kiln code never reuse an old
+shared object.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+from kiln.backends.base import BackendError
+
+FLAGS: tuple[str, ...] = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-std=gnu11",
+                          "-shared", "-fPIC")
+"""Flags of every compile (``-fno-math-errno`` lets math calls vectorize; results are the same)."""
+LIBS: tuple[str, ...] = ("-lm",)
+
+# Sources whose change changes generated code: hashed into the build identity.
+_CODEGEN_PACKAGES = ("backends/cpu", "passes/lower.py", "passes/lowering", "ir/loops", "ir/poly",
+                     "passes/schedule", "ir/ops")
+
+
+class CompileError(BackendError):
+    """The C compiler rejected generated code (a kiln bug); carries the compiler output."""
+
+
+def find_compiler() -> str:
+    """``$CC``, else ``cc``, ``gcc`` or ``clang``; raises :class:`BackendError` without one."""
+    for candidate in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if candidate and shutil.which(candidate):
+            return candidate
+    raise BackendError("kiln backend 'cpu' needs a C compiler with OpenMP: set $CC or install gcc "
+                       "(e.g. apt-get install gcc); the 'reference' backend runs without one")
+
+
+@functools.lru_cache(maxsize=8)
+def compiler_identity(cc: str) -> str:
+    """``cc --version`` (first lines), the flags and the machine: what a cache key needs."""
+    try:
+        proc = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30, check=False)
+        version = proc.stdout.strip() or proc.stderr.strip()
+    except (OSError, subprocess.SubprocessError) as e:
+        raise BackendError(f"kiln backend 'cpu': cannot run the C compiler {cc!r}: {e}") from e
+    return "\n".join([f"cc={cc}", version, "flags=" + " ".join(FLAGS + link_libraries(cc)),
+                      "vector-math=" + ",".join(vector_math(cc)), f"machine={platform.machine()}",
+                      f"cpu={_cpu_signature()}"])
+
+
+def _cpu_signature() -> str:
+    """A digest of the CPU's model and feature flags (``-march=native`` code is CPU-specific)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [ln for ln in f if ln.startswith(("model name", "flags"))]
+    except OSError:
+        return platform.processor() or "unknown"
+    return hashlib.sha256("".join(sorted(set(lines))).encode()).hexdigest()[:16]
+
+
+@functools.lru_cache(maxsize=1)
+def build_identity() -> str:
+    """kiln's version plus a hash of the sources that generate code (so an edited kiln never
+    loads a shared object built by an older one)."""
+    import kiln
+
+    root = Path(kiln.__file__).parent
+    h = hashlib.sha256()
+    for rel in _CODEGEN_PACKAGES:
+        path = root / rel
+        files = sorted(path.rglob("*.py")) if path.is_dir() else ([path] if path.exists() else [])
+        for f in files:
+            h.update(str(f.relative_to(root)).encode())
+            h.update(f.read_bytes())
+    return f"kiln {kiln.__version__} {h.hexdigest()[:24]}"
+
+
+# Math functions with vector variants in glibc's libmvec: 2.35+ has all, 2.22+ the first five.
+VECTOR_MATH_TIERS: tuple[tuple[str, ...], ...] = (
+    ("exp", "log", "sin", "cos", "pow", "exp2", "log2", "log10", "tan", "tanh", "sinh", "cosh", "asin",
+     "acos", "atan", "erf", "atan2"),
+    ("exp", "log", "sin", "cos", "pow"),
+)
+_BINARY_MATH = ("pow", "atan2")
+
+
+def vector_math_declarations(functions: tuple[str, ...]) -> str:
+    """C declarations marking ``functions`` (float and double) ``omp declare simd``, so loops
+    calling them vectorize through libmvec."""
+    lines = []
+    for fn in functions:
+        for ctype, suffix in (("float", "f"), ("double", "")):
+            params = f"{ctype}, {ctype}" if fn in _BINARY_MATH else ctype
+            lines += ["#pragma omp declare simd notinbranch", f"{ctype} {fn}{suffix}({params});"]
+    return "\n".join(lines) + "\n"
+
+
+@functools.lru_cache(maxsize=8)
+def vector_math(cc: str) -> tuple[str, ...]:
+    """The math functions whose vector variants link (``-lmvec``) with ``cc``; () if none."""
+    for tier in VECTOR_MATH_TIERS:
+        calls = " + ".join(f"{fn}f(a[i], a[i])" if fn in _BINARY_MATH else f"{fn}f(a[i])" for fn in tier)
+        dcalls = " + ".join(f"{fn}(d[i], d[i])" if fn in _BINARY_MATH else f"{fn}(d[i])" for fn in tier)
+        probe = ("#include <math.h>\n" + vector_math_declarations(tier)
+                 + "float a[64]; double d[64];\n"
+                 "int main(void) {\n  float s = 0; double t = 0;\n"
+                 f"  #pragma omp simd reduction(+:s, t)\n  for (int i = 0; i < 64; i++) {{ s += {calls}; t += {dcalls}; }}\n"
+                 "  return (int)(s + t) == 12345;\n}\n")
+        with tempfile.TemporaryDirectory(prefix="kiln-probe-") as d:
+            src = Path(d) / "probe.c"
+            src.write_text(probe)
+            try:
+                proc = subprocess.run([cc, *FLAGS[:-2], str(src), "-o", str(Path(d) / "probe"), "-lmvec", "-lm"],
+                                      capture_output=True, text=True, timeout=60, check=False)
+            except (OSError, subprocess.SubprocessError):
+                return ()
+            if proc.returncode == 0:
+                return tier
+    return ()
+
+
+def link_libraries(cc: str) -> tuple[str, ...]:
+    """Libraries to link: libmvec when vector math is available, and libm."""
+    return ("-lmvec", *LIBS) if vector_math(cc) else LIBS
+
+
+def compile_shared_object(source: str, folder: Path, cc: str | None = None) -> Path:
+    """Compile ``source`` into a shared object in ``folder``; returns its path.
+
+    Raises :class:`CompileError` with the compiler's messages and the path of the kept
+    source when compilation fails.
+    """
+    cc = cc or find_compiler()
+    folder.mkdir(parents=True, exist_ok=True)
+    fd, src_name = tempfile.mkstemp(prefix="kiln-", suffix=".c", dir=folder)
+    with os.fdopen(fd, "w") as f:
+        f.write(source)
+    out = Path(src_name).with_suffix(".so")
+    cmd = [cc, *FLAGS, src_name, "-o", str(out), *link_libraries(cc)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        raise CompileError(f"kiln backend 'cpu': the C compiler failed on generated code (a kiln bug; "
+                           f"please report it with the source kept at {src_name}):\n{proc.stderr[-4000:]}")
+    return out
+
+
+__all__ = ["FLAGS", "CompileError", "build_identity", "compile_shared_object", "compiler_identity",
+           "find_compiler", "link_libraries", "vector_math", "vector_math_declarations"]

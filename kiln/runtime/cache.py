@@ -1,0 +1,202 @@
+"""The compile cache: generated C sources and their shared objects, reused across processes.
+
+Layout (one flat folder, ``KILN_CACHE_DIR`` or ``$XDG_CACHE_HOME/kiln`` or ``~/.cache/kiln``)::
+
+    <key>.json                 the entry's manifest, written last: it commits the entry
+    <key>.<digest>.c           the C source
+    <key>.<digest>.so          the shared object; <digest> = sha256 of its bytes (16 hex)
+
+``key`` is the sha256 of everything that decides the generated code: the IR text, the
+backend options, the C compiler's identity (its ``--version`` text and flags), the machine,
+and the kiln build (version plus a hash of the code-generating sources).  The manifest
+stores the digests of the source and of the shared object.
+
+Guarantees:
+
+* **Atomic writes.**  Every file is written to a unique temporary name in the same folder
+  and moved into place with ``os.replace``; the manifest moves last.  Readers therefore see
+  either no entry or a complete one, and concurrent processes building the same entry each
+  write whole files (the last one wins; both are valid).
+* **Never load a damaged entry.**  :meth:`CompileCache.lookup` re-hashes the shared object
+  and the source against the manifest; a missing, truncated or modified file, or an
+  unreadable manifest, counts as a miss (``corrupt`` in the counters), so the caller
+  rebuilds and :meth:`CompileCache.store` overwrites the entry.
+* **Off switch.**  ``CompileCache(enabled=False)`` never reads or writes the folder:
+  ``lookup`` misses and ``store`` keeps the files in a private temporary folder.
+
+Counters (``COUNTERS``, process-wide, and ``cache.counters`` per instance): ``hits``,
+``misses``, ``corrupt``, ``stores``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+import threading
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+MANIFEST_VERSION = 1
+COUNTERS: dict[str, int] = {"hits": 0, "misses": 0, "corrupt": 0, "stores": 0}
+"""Process-wide cache counters (every :class:`CompileCache` adds to them)."""
+_COUNTER_LOCK = threading.Lock()
+
+
+def default_cache_dir() -> Path:
+    """``$KILN_CACHE_DIR``, else ``$XDG_CACHE_HOME/kiln``, else ``~/.cache/kiln``."""
+    env = os.environ.get("KILN_CACHE_DIR")
+    if env:
+        return Path(env).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    return base / "kiln"
+
+
+def digest(data: bytes | str) -> str:
+    """The sha256 hex digest of ``data`` (text is UTF-8 encoded)."""
+    if isinstance(data, str):
+        data = data.encode()
+    return hashlib.sha256(data).hexdigest()
+
+
+def cache_key(ir_text: str, options: Mapping[str, Any], compiler_identity: str, build_identity: str) -> str:
+    """The key of a compiled graph: sha256 over the IR text, the options (sorted), the
+    compiler identity and the kiln build identity, each length-prefixed so no two different
+    tuples of parts hash the same text."""
+    parts = [ir_text, json.dumps(dict(options), sort_keys=True, default=repr), compiler_identity, build_identity]
+    h = hashlib.sha256()
+    for part in parts:
+        data = part.encode()
+        h.update(len(data).to_bytes(8, "little"))
+        h.update(data)
+    return h.hexdigest()
+
+
+@dataclass(frozen=True)
+class CacheEntry:
+    """A verified entry: the shared object, its source and the stored manifest."""
+
+    key: str
+    library: Path
+    source: Path
+    manifest: dict[str, Any] = field(default_factory=dict)
+
+
+class CompileCache:
+    """A folder of compiled graphs; see the module docstring."""
+
+    def __init__(self, directory: str | os.PathLike[str] | None = None, enabled: bool = True):
+        self.enabled = enabled
+        self.directory = Path(directory).expanduser() if directory is not None else default_cache_dir()
+        self.counters: dict[str, int] = {"hits": 0, "misses": 0, "corrupt": 0, "stores": 0}
+        self._scratch: tempfile.TemporaryDirectory[str] | None = None
+
+    # ------------------------------------------------------------------ reading
+    def lookup(self, key: str) -> CacheEntry | None:
+        """The verified entry for ``key``, or ``None`` (a miss, or a damaged entry)."""
+        if not self.enabled:
+            self._count("misses")
+            return None
+        manifest_path = self.directory / f"{key}.json"
+        if not manifest_path.exists():
+            self._count("misses")
+            return None
+        entry = self._verified(key, manifest_path)
+        if entry is None:
+            self._count("corrupt")
+            self._count("misses")
+            return None
+        self._count("hits")
+        return entry
+
+    def _verified(self, key: str, manifest_path: Path) -> CacheEntry | None:
+        try:
+            manifest = json.loads(manifest_path.read_text())
+            if manifest.get("format") != MANIFEST_VERSION or manifest.get("key") != key:
+                return None
+            library = self.directory / manifest["library"]
+            source = self.directory / manifest["source"]
+            if digest(library.read_bytes()) != manifest["library_sha256"]:
+                return None
+            if digest(source.read_bytes()) != manifest["source_sha256"]:
+                return None
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+        return CacheEntry(key, library, source, manifest)
+
+    # ------------------------------------------------------------------ writing
+    def store(self, key: str, source: str, library: Path, manifest: Mapping[str, Any]) -> CacheEntry:
+        """Commit ``source`` and the built shared object at ``library`` under ``key``.
+
+        ``manifest`` holds whatever the backend needs to use the entry without rebuilding
+        (kernel symbols, argument lists); the integrity fields are added here.  With the
+        cache off, or a cache folder that cannot be written (a warning says so), the files go
+        to a private temporary folder that lives as long as this object.
+        """
+        lib_bytes = Path(library).read_bytes()
+        lib_digest = digest(lib_bytes)
+        src_digest = digest(source)
+        lib_name = f"{key}.{lib_digest[:16]}.so"
+        src_name = f"{key}.{src_digest[:16]}.c"
+        full = {**dict(manifest), "format": MANIFEST_VERSION, "key": key, "library": lib_name,
+                "source": src_name, "library_sha256": lib_digest, "source_sha256": src_digest}
+        if self.enabled:
+            try:
+                self.directory.mkdir(parents=True, exist_ok=True)
+                _atomic_write(self.directory / src_name, source.encode())
+                _atomic_write(self.directory / lib_name, lib_bytes)
+                _atomic_write(self.directory / f"{key}.json", json.dumps(full, indent=1, sort_keys=True).encode())
+            except OSError as e:  # a read-only or full cache folder costs a rebuild next time, not this build
+                warnings.warn(f"kiln: cannot write the compile cache in {self.directory} ({e}); "
+                              "set KILN_CACHE_DIR to a writable folder or pass cache=False", stacklevel=2)
+            else:
+                self._count("stores")
+                return CacheEntry(key, self.directory / lib_name, self.directory / src_name, full)
+        folder = self._scratch_dir()
+        _atomic_write(folder / src_name, source.encode())
+        _atomic_write(folder / lib_name, lib_bytes)
+        return CacheEntry(key, folder / lib_name, folder / src_name, full)
+
+    def scratch_dir(self) -> Path:
+        """A private folder (removed with this object) for build temporaries."""
+        return self._scratch_dir()
+
+    def _scratch_dir(self) -> Path:
+        if self._scratch is None:
+            self._scratch = tempfile.TemporaryDirectory(prefix="kiln-build-")
+        return Path(self._scratch.name)
+
+    def _count(self, name: str) -> None:
+        with _COUNTER_LOCK:
+            self.counters[name] += 1
+            COUNTERS[name] += 1
+
+    def __repr__(self) -> str:
+        state = "on" if self.enabled else "off"
+        return f"<CompileCache {self.directory} ({state}) {self.counters}>"
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` through a unique temporary file and ``os.replace``."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+__all__ = ["COUNTERS", "CacheEntry", "CompileCache", "cache_key", "default_cache_dir", "digest"]

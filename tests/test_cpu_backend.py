@@ -1,0 +1,511 @@
+"""The native cpu backend: models against eager, each kernel kind against the reference
+backend on odd shapes, memory plan, thread safety, hostile names, implementation choice."""
+
+from __future__ import annotations
+
+import threading
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import kiln
+import kiln.ir as ir
+from kiln.backends import get_backend
+from kiln.backends.cpu.gemm import blas_symbols
+from kiln.backends.cpu.plan import BufferRequest, check_plan, plan_memory
+from kiln.passes import default_pipeline
+from kiln.runtime import torch_dtype
+
+from models import MODELS
+
+REL_TOL = 1e-4
+
+
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path_factory, monkeypatch):
+    """Every build in this file uses a private compile cache."""
+    monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "kiln-cache"))
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    scale = max(want.double().abs().max().item(), 1e-12) if want.numel() else 1.0
+    return (got.double() - want.double()).abs().max().item() / scale if want.numel() else 0.0
+
+
+def first_tensor(out):
+    if isinstance(out, torch.Tensor):
+        return out
+    if hasattr(out, "to_tuple"):
+        return out.to_tuple()[0]
+    return out[0]
+
+
+# ------------------------------------------------------------------ models
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_models_match_eager(name):
+    builder, inputs_fn = MODELS[name]
+    model = builder()
+    args, kwargs = inputs_fn()
+    with torch.no_grad():
+        want = first_tensor(model(*args, **kwargs))
+    compiled = kiln.compile(model, args, backend="cpu", example_kwargs=kwargs)
+    info = compiled.executable.info
+    assert info["kernels"] > 0 and not info["fallbacks"], info["fallbacks"]
+    assert rel_err(first_tensor(compiled(*args, **kwargs)), want) <= REL_TOL
+    torch._dynamo.reset()
+    optimized = torch.compile(model, backend="kiln", options={"backend": "cpu"})
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error", kiln.KilnFallbackWarning)
+        got = first_tensor(optimized(*args, **kwargs))
+    assert rel_err(got, want) <= REL_TOL
+
+
+# ------------------------------------------------------------------ kernel kinds
+
+
+def random_inputs(graph: ir.Graph, seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for v in (*graph.inputs, *graph.params):
+        shape = tuple(v.shape)
+        if v.dtype.is_floating:
+            out.append(torch.randn(shape, generator=g).to(torch_dtype(v.dtype)))
+        elif v.dtype == ir.DType.bool:
+            out.append(torch.rand(shape, generator=g) > 0.3)
+        else:
+            out.append(torch.randint(0, 3, shape, generator=g).to(torch_dtype(v.dtype)))
+    return out
+
+
+def check_against_reference(text: str, seed: int = 0, **options):
+    """Fuse ``text`` with the default pipeline, build it with cpu, compare with the reference
+    backend on the unfused graph; returns the executable."""
+    graph = ir.parse(text)
+    fused = default_pipeline().run(graph).graph
+    exe = get_backend("cpu").build(fused, options)
+    ref = get_backend("reference").build(graph, {"float64": True})
+    args = random_inputs(graph, seed)
+    for got, want in zip(exe(args), ref(args)):
+        assert got.shape == want.shape
+        assert rel_err(got, want) <= REL_TOL, (text, options)
+    assert not exe.info["fallbacks"], exe.info["fallbacks"]
+    return exe
+
+
+ODD_SHAPES = [(1,), (3, 17), (17, 1000), (2, 3, 17)]
+
+
+@pytest.mark.parametrize("shape", ODD_SHAPES)
+def test_elementwise_kernels(shape):
+    t = f"f32[{', '.join(map(str, shape))}]"
+    last = shape[-1]
+    info = check_against_reference(f"""
+graph @ew(%x: {t}, %y: {t}, %b: f32[{last}]) {{
+  %0: {t} = mul(%x, %y)
+  %1: {t} = add(%0, %b)
+  %2: {t} = gelu(%1) {{approximate="tanh"}}
+  %3: {t} = tanh(%2)
+  %4: {t} = exp(%3)
+  return %4
+}}""").info
+    assert info["kernels"] == 1
+
+
+@pytest.mark.parametrize("shape", [(3, 17), (1, 1000), (17, 3, 5)])
+def test_reduction_and_normalization_kernels(shape):
+    t = f"f32[{', '.join(map(str, shape))}]"
+    kept = f"f32[{', '.join(map(str, shape[:-1]))}, 1]"
+    last = shape[-1]
+    check_against_reference(f"""
+graph @red(%x: {t}, %w: f32[{last}], %b: f32[{last}]) {{
+  %0: {kept} = sum(%x) {{dims=[-1], keepdim=true}}
+  %1: {t} = sub(%x, %0)
+  %2: {kept} = amax(%1) {{dims=[-1], keepdim=true}}
+  %3: {t} = add(%1, %2)
+  %4: {t} = softmax(%3) {{dim=-1}}
+  %5: {t} = layer_norm(%4, %w, %b) {{normalized_rank=1}}
+  %6: f32[] = mean(%5)
+  return %5, %6
+}}""")
+
+
+def test_large_full_reduction_uses_per_thread_partials():
+    exe = check_against_reference("""
+graph @total(%x: f32[300, 1000]) {
+  %0: f32[300, 1000] = mul(%x, %x)
+  %1: f32[] = sum(%0)
+  return %1
+}""", threads=2)
+    assert "#pragma omp parallel for" in exe.source and "reduction(+:" in exe.source
+
+
+@pytest.mark.parametrize("select", ["rule", "generated"])
+@pytest.mark.parametrize("m,k,n", [(1, 3, 17), (17, 1000, 3), (3, 17, 1)])
+def test_matmul_kernels(select, m, k, n):
+    info = check_against_reference(f"""
+graph @mm(%x: f32[2, {m}, {k}]) params(%w: f32[{n}, {k}], %b: f32[{n}]) {{
+  %0: f32[{k}, {n}] = permute(%w) {{dims=[1, 0]}}
+  %1: f32[2, {m}, {n}] = matmul(%x, %0)
+  %2: f32[2, {m}, {n}] = add(%1, %b)
+  %3: f32[2, {m}, {n}] = relu(%2)
+  return %3
+}}""", select=select).info
+    assert ("library+epilogue" if select == "rule" else "generated") in info["choices"].values()
+    assert info["kernels"] == 1
+
+
+@pytest.mark.parametrize("select", ["rule", "generated"])
+def test_batched_matmul_with_broadcast(select):
+    check_against_reference("""
+graph @bmm(%a: f32[2, 3, 17, 5], %b: f32[3, 5, 1]) {
+  %0: f32[2, 3, 17, 1] = matmul(%a, %b)
+  %1: f32[2, 3, 17, 1] = mul(%0, %0)
+  return %1
+}""", select=select)
+
+
+@pytest.mark.parametrize("select", ["rule", "generated"])
+@pytest.mark.parametrize("stride,groups", [(1, 1), (2, 3)])
+def test_conv_kernels(select, stride, groups):
+    out = (17 + 2 - 3) // stride + 1
+    check_against_reference(f"""
+graph @conv(%x: f32[1, 3, 17, 17]) params(%w: f32[6, {3 // groups}, 3, 3], %b: f32[6], %s: f32[6, 1, 1]) {{
+  %0: f32[1, 6, {out}, {out}] = conv(%x, %w, %b) {{stride=[{stride}, {stride}], padding=[1, 1], dilation=[1, 1], groups={groups}}}
+  %1: f32[1, 6, {out}, {out}] = mul(%0, %s)
+  %2: f32[1, 6, {out}, {out}] = relu(%1)
+  return %2
+}}""", select=select)
+
+
+@pytest.mark.parametrize("select", ["rule", "generated"])
+def test_attention_and_embedding(select):
+    check_against_reference("""
+graph @attn(%ids: i64[1, 17], %mask: bool[1, 1, 17, 17]) params(%emb: f32[1000, 12]) {
+  %0: f32[1, 17, 12] = embedding(%emb, %ids)
+  %1: f32[1, 17, 3, 4] = reshape(%0) {shape=[1, 17, 3, 4]}
+  %2: f32[1, 3, 17, 4] = permute(%1) {dims=[0, 2, 1, 3]}
+  %3: f32[1, 3, 17, 4] = scaled_dot_product_attention(%2, %2, %2, %mask)
+  return %3
+}""", select=select)
+
+
+def test_views_feeding_kernels_and_outputs():
+    """Strided views read by kernels are copied, contiguous ones read in place; outputs
+    that are views of intermediates stay valid after the next call."""
+    text = """
+graph @views(%x: f32[4, 6]) {
+  %0: f32[4, 6] = exp(%x)
+  %1: f32[6, 4] = permute(%0) {dims=[1, 0]}
+  %2: f32[6, 4] = neg(%1)
+  %3: f32[4, 3] = slice(%0) {dim=1, start=1, end=4}
+  %4: f32[4, 3] = sqrt(%3)
+  %5: f32[24] = reshape(%0) {shape=[24]}
+  return %2, %4, %5
+}"""
+    check_against_reference(text)
+    exe = get_backend("cpu").build(ir.parse(text))
+    x = torch.randn(4, 6)
+    first = [t.clone() for t in exe([x])]
+    kept = exe([x])
+    exe([torch.randn(4, 6)])
+    for a, b in zip(first, kept):
+        torch.testing.assert_close(a, b)
+
+
+def test_fallback_kernels_read_views_of_arena_buffers():
+    """A kernel without C (bf16 casts) runs its reference on a view whose root sits at a
+    non-zero arena offset; poisoned memory makes any misplaced read visible."""
+    text = """
+graph @fb(%x: f32[4, 8], %y: f32[100]) {
+  %a: f32[100] = exp(%y)
+  %b: f32[4, 8] = exp(%x)
+  %c: f32[8, 4] = reshape(%b) {shape=[8, 4]}
+  %d: bf16[8, 4] = cast(%c) {dtype=bf16}
+  %e: f32[8, 4] = cast(%d) {dtype=f32}
+  %s: f32[] = sum(%a)
+  %f: f32[8, 4] = mul(%e, %s)
+  return %f
+}"""
+    exe = get_backend("cpu").build(ir.parse(text), {"poison": True})
+    assert exe.info["fallbacks"] and exe.info["arena_bytes"] > 400
+    x, y = torch.randn(4, 8), torch.randn(100)
+    want = x.exp().reshape(8, 4).bfloat16().float() * y.exp().sum()
+    torch.testing.assert_close(exe([x, y])[0], want)
+
+
+def test_non_contiguous_arguments():
+    exe = get_backend("cpu").build(ir.parse("""
+graph @nc(%x: f32[3, 5]) {
+  %0: f32[3, 5] = mul(%x, %x)
+  return %0
+}"""))
+    base = torch.randn(5, 3)
+    torch.testing.assert_close(exe([base.t()])[0], base.t() * base.t())
+
+
+# ------------------------------------------------------------------ memory plan
+
+
+def test_memory_plan_reuses_and_never_overlaps_live_buffers():
+    rng = np.random.default_rng(0)
+    requests = []
+    for i in range(60):
+        first = int(rng.integers(0, 40))
+        requests.append(BufferRequest(i, int(rng.integers(1, 5000)), first, first + int(rng.integers(0, 8))))
+    plan = plan_memory(requests)
+    check_plan(plan, requests)
+    assert plan.arena_bytes < plan.total_bytes
+    assert "planned peak" in plan.report()
+    chain = [BufferRequest(i, 1024, i, i + 1) for i in range(10)]
+    assert plan_memory(chain).arena_bytes == 2 * 1024
+
+
+def test_model_memory_plan_is_smaller_than_the_sum():
+    builder, inputs_fn = MODELS["mlp"]
+    compiled = kiln.compile(builder(), inputs_fn()[0], backend="cpu")
+    info = compiled.executable.info
+    assert 0 < info["arena_bytes"] < info["intermediate_bytes"]
+
+
+# ------------------------------------------------------------------ threads
+
+
+def test_concurrent_calls_from_threads_are_safe():
+    exe = get_backend("cpu").build(default_pipeline().run(ir.parse("""
+graph @mt(%x: f32[8, 64]) params(%w: f32[64, 64], %g: f32[64], %b: f32[64]) {
+  %0: f32[8, 64] = matmul(%x, %w)
+  %1: f32[8, 64] = relu(%0)
+  %2: f32[8, 64] = layer_norm(%1, %g, %b) {normalized_rank=1}
+  %3: f32[8, 64] = matmul(%2, %w)
+  return %3
+}""")).graph)
+    w, g, b = torch.randn(64, 64), torch.randn(64), torch.randn(64)
+    inputs = [torch.randn(8, 64) for _ in range(4)]
+    expected = [exe([x, w, g, b])[0] for x in inputs]
+    errors: list[str] = []
+
+    def worker(i: int) -> None:
+        for _ in range(25):
+            got = exe([inputs[i], w, g, b])[0]
+            if not torch.equal(got, expected[i]):
+                errors.append(f"thread {i}: wrong result")
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert exe.plan.workspaces == 5  # the main thread's and one per worker
+
+
+# ------------------------------------------------------------------ names
+
+
+HOSTILE = '*/ system("rm -rf /"); /*\n#include <evil>\nint main'
+
+
+def test_hostile_graph_and_value_names_never_reach_c():
+    text = """
+graph @g(%int: f32[3, 4], %exp: f32[4]) params(%for.while: f32[4]) {
+  %main: f32[3, 4] = add(%int, %exp)
+  %return: f32[3, 4] = mul(%main, %for.while)
+  %0: f32[3, 4] = exp(%return)
+  return %0
+}"""
+    graph = default_pipeline().run(ir.parse(text)).graph
+    graph.name = HOSTILE
+    exe = get_backend("cpu").build(graph)
+    assert exe.info["kernels"] == 1
+    assert "system" not in exe.source and "evil" not in exe.source and "rm -rf" not in exe.source
+    x, e, p = torch.randn(3, 4), torch.randn(4), torch.randn(4)
+    torch.testing.assert_close(exe([x, e, p])[0], torch.exp((x + e) * p))
+
+
+def test_hostile_module_and_function_names_through_compile():
+    Hostile = type(HOSTILE, (nn.Module,), {"forward": lambda self, x: torch.relu(x) * 2 + 1})
+    x = torch.randn(3, 5)
+    compiled = kiln.compile(Hostile(), (x,), backend="cpu")
+    assert "system" not in compiled.executable.source
+    torch.testing.assert_close(compiled(x), torch.relu(x) * 2 + 1)
+
+    def fn(x):
+        return torch.sigmoid(x) - x
+    fn.__name__ = HOSTILE
+    compiled = kiln.compile(fn, (x,), backend="cpu")
+    assert "system" not in compiled.executable.source
+    torch.testing.assert_close(compiled(x), torch.sigmoid(x) - x)
+
+
+# ------------------------------------------------------------------ choices and options
+
+
+def test_rule_uses_library_gemm_and_generated_epilogues():
+    info = check_against_reference("""
+graph @lin(%x: f32[4, 8]) params(%w: f32[16, 8], %b: f32[16]) {
+  %0: f32[8, 16] = permute(%w) {dims=[1, 0]}
+  %1: f32[4, 16] = matmul(%x, %0)
+  %2: f32[4, 16] = add(%1, %b)
+  %3: f32[4, 16] = sigmoid(%2)
+  return %3
+}""").info
+    assert list(info["choices"].values()).count("library+epilogue") == 1
+    if blas_symbols() is not None:  # the GEMM runs in the same native kernel as its epilogue
+        assert info["kernels"] == 1 and info["library_calls"] == 0
+
+
+def test_timed_selection_is_cached(tmp_path):
+    text = """
+graph @t(%x: f32[4, 8], %w: f32[8, 8]) {
+  %0: f32[4, 8] = matmul(%x, %w)
+  return %0
+}"""
+    opts = {"select": "time", "cache_dir": str(tmp_path)}
+    first = get_backend("cpu").build(ir.parse(text), opts)
+    choice = next(iter(first.info["choices"].values()))
+    assert choice in ("library", "generated")
+    assert (tmp_path / "selection.json").exists()
+    second = get_backend("cpu").build(ir.parse(text), opts)
+    assert next(iter(second.info["choices"].values())) == choice
+
+
+def test_unknown_options_and_modes_are_rejected():
+    with pytest.raises(kiln.KilnError, match="has no option"):
+        get_backend("cpu").build(ir.parse("graph @e(%x: f32[2]) {\n  return %x\n}"), {"fast": True})
+    with pytest.raises(kiln.KilnError, match="select='best'"):
+        get_backend("cpu").build(ir.parse("graph @e(%x: f32[2]) {\n  return %x\n}"), {"select": "best"})
+
+
+def test_unscheduled_and_single_thread_builds_agree():
+    text = """
+graph @s(%x: f32[64, 300]) {
+  %0: f32[64, 300] = softmax(%x) {dim=-1}
+  %1: f32[64, 300] = mul(%0, %x)
+  return %1
+}"""
+    check_against_reference(text, schedule=False)
+    check_against_reference(text, threads=1)
+    check_against_reference(text, threads=2)
+
+
+def test_schedules_are_checked_replayable_traces():
+    from kiln.backends.cpu.codegen import sanitize_program
+    from kiln.backends.cpu.schedules import default_schedule
+    from kiln.loops import Schedule
+    from kiln.passes.lower import lower_node
+
+    graph = ir.parse("""
+graph @mm(%x: f32[64, 128], %w: f32[128, 96]) {
+  %0: f32[64, 96] = matmul(%x, %w)
+  return %0
+}""")
+    exe = check_against_reference(str(graph), select="generated", threads=2)
+    (trace,) = exe.info["schedules"].values()
+    assert {"parallel", "fission", "interchange", "vectorize", "tile"} <= {s["primitive"] for s in trace}
+    program, _ = sanitize_program(lower_node(graph.nodes[0]).program)
+    replayed = Schedule.replay(program, trace)  # every step re-checked for legality
+    assert str(replayed.program(name=program.name)) == str(default_schedule(program, "matmul", threads=2).program)
+
+
+def test_outputs_that_are_inputs_views_constants_or_repeated():
+    exe = get_backend("cpu").build(ir.parse("""
+graph @edge(%x: f32[2, 3]) {
+  %c: f32[3] = const [1.0, 2.0, 3.0]
+  %0: f32[3, 2] = reshape(%x) {shape=[3, 2]}
+  %1: f32[2, 3] = add(%x, %c)
+  return %x, %0, %c, %1, %1
+}"""))
+    x = torch.randn(2, 3)
+    same, view, const, added, again = exe([x])
+    assert torch.equal(same, x) and torch.equal(view, x.reshape(3, 2)) and added is again
+    torch.testing.assert_close(added, x + torch.tensor([1.0, 2.0, 3.0]))
+    const.add_(100)  # the caller owns its outputs: the graph's constant is untouched
+    torch.testing.assert_close(exe([x])[2], torch.tensor([1.0, 2.0, 3.0]))
+
+
+@pytest.mark.parametrize("dtype", ["f64", "i64"])
+def test_other_dtypes(dtype):
+    check_against_reference(f"""
+graph @d(%x: {dtype}[3, 17], %w: {dtype}[17, 5]) {{
+  %0: {dtype}[3, 5] = matmul(%x, %w)
+  %1: {dtype}[3, 5] = mul(%0, %0)
+  %2: {dtype}[3, 1] = sum(%1) {{dims=[-1], keepdim=true}}
+  %3: {dtype}[3, 5] = sub(%1, %2)
+  return %3
+}}""")
+
+
+@pytest.mark.parametrize("provider", ["mkl", "openblas"])
+def test_each_blas_provider_computes_every_gemm_layout(provider, tmp_path):
+    from dataclasses import replace
+
+    from kiln.backends.cpu import toolchain
+    from kiln.backends.cpu.backend import build_executable
+    from kiln.backends.cpu.gemm import GemmTuner, blas_providers
+    from kiln.backends.cpu.select import rule_choice
+    from kiln.runtime.cache import CompileCache
+
+    if provider not in blas_providers():
+        pytest.skip(f"{provider} is not loaded in this process")
+
+    class Forced(GemmTuner):
+        def choose(self, spec):
+            return replace(spec, provider=provider)
+
+    graph = ir.parse("""
+graph @layouts(%x: f32[3, 5, 7], %y: f32[3, 7, 4], %t: f32[3, 4, 7]) params(%w: f32[6, 7]) {
+  %0: f32[7, 6] = permute(%w) {dims=[1, 0]}
+  %1: f32[3, 5, 6] = matmul(%x, %0)
+  %2: f32[3, 5, 6] = relu(%1)
+  %3: f32[3, 5, 4] = matmul(%x, %y)
+  %4: f32[3, 7, 4] = permute(%t) {dims=[0, 2, 1]}
+  %5: f32[3, 5, 4] = matmul(%x, %4)
+  %6: f32[3, 5, 4] = sub(%3, %5)
+  return %2, %6
+}""")
+    fused = default_pipeline().run(graph).graph
+    cc = toolchain.find_compiler()
+    exe = build_executable(fused, rule_choice, CompileCache(tmp_path), cc, threads=2, schedule=True,
+                           tuner=Forced(None, "test", 2))
+    assert f"kiln_sgemm_{provider}(" in exe.source and exe.source.count(f"kiln_sgemm_{provider}(") >= 3
+    args = random_inputs(graph, 3)
+    want = get_backend("reference").build(graph, {"float64": True})(args)
+    for got, expected in zip(exe(args), want):
+        assert rel_err(got, expected) <= REL_TOL
+
+
+def test_gemm_tuner_times_each_shape_once(tmp_path):
+    from kiln.backends.cpu.gemm import GemmSpec, GemmTuner, Operand, blas_providers
+
+    spec = GemmSpec(ir.DType.float32, 64, 256, 128, Operand("N", 128), Operand("N", 256))
+    first = GemmTuner(tmp_path / "gemm.json", "machine", 1)
+    chosen = first.choose(spec)
+    assert chosen.provider in blas_providers()
+    if len(blas_providers()) < 2:
+        return
+    assert first.timed == 1 and (tmp_path / "gemm.json").exists()
+    again = GemmTuner(tmp_path / "gemm.json", "machine", 1)
+    assert again.choose(spec) == chosen and again.timed == 0
+    tiny = GemmSpec(ir.DType.float32, 1, 8, 8, Operand("N", 8), Operand("N", 8))
+    assert again.choose(tiny).provider == "mkl" and again.timed == 0
+
+
+def test_prepacked_conv_weights_follow_in_place_updates():
+    exe = get_backend("cpu").build(ir.parse("""
+graph @pc(%x: f32[1, 8, 9, 9]) params(%w: f32[8, 8, 3, 3]) {
+  %0: f32[1, 8, 9, 9] = conv(%x, %w) {stride=[1, 1], padding=[1, 1], dilation=[1, 1], groups=1}
+  return %0
+}"""))
+    x, w = torch.randn(1, 8, 9, 9), torch.randn(8, 8, 3, 3)
+    conv = torch.nn.functional.conv2d
+    torch.testing.assert_close(exe([x, w])[0], conv(x, w, padding=1), rtol=1e-4, atol=1e-4)
+    with torch.no_grad():
+        w.mul_(-2)  # an optimizer-style in-place update
+    torch.testing.assert_close(exe([x, w])[0], conv(x, w, padding=1), rtol=1e-4, atol=1e-4)
+    other = torch.randn(8, 8, 3, 3)
+    torch.testing.assert_close(exe([x, other])[0], conv(x, other, padding=1), rtol=1e-4, atol=1e-4)
