@@ -440,13 +440,14 @@ graph @d(%x: {dtype}[3, 17], %w: {dtype}[17, 5]) {{
 }}""")
 
 
+@pytest.mark.parametrize("pack", [False, True])
 @pytest.mark.parametrize("provider", ["mkl", "openblas"])
-def test_each_blas_provider_computes_every_gemm_layout(provider, tmp_path):
+def test_each_blas_provider_computes_every_gemm_layout(provider, pack, tmp_path):
     from dataclasses import replace
 
     from kiln.backends.cpu import toolchain
     from kiln.backends.cpu.backend import build_executable
-    from kiln.backends.cpu.gemm import GemmTuner, blas_providers
+    from kiln.backends.cpu.gemm import GemmTuner, Operand, blas_providers
     from kiln.backends.cpu.select import rule_choice
     from kiln.runtime.cache import CompileCache
 
@@ -454,8 +455,11 @@ def test_each_blas_provider_computes_every_gemm_layout(provider, tmp_path):
         pytest.skip(f"{provider} is not loaded in this process")
 
     class Forced(GemmTuner):
-        def choose(self, spec):
-            return replace(spec, provider=provider)
+        def choose(self, spec, packable=False):
+            spec = replace(spec, provider=provider)
+            if pack and packable:  # B read from a contiguous copy of the transposed weight
+                spec = replace(spec, b=Operand("N", spec.n), packed_b=True)
+            return spec
 
     graph = ir.parse("""
 graph @layouts(%x: f32[3, 5, 7], %y: f32[3, 7, 4], %t: f32[3, 4, 7]) params(%w: f32[6, 7]) {
@@ -474,9 +478,14 @@ graph @layouts(%x: f32[3, 5, 7], %y: f32[3, 7, 4], %t: f32[3, 4, 7]) params(%w: 
                            tuner=Forced(None, "test", 2))
     assert f"kiln_sgemm_{provider}(" in exe.source and exe.source.count(f"kiln_sgemm_{provider}(") >= 3
     args = random_inputs(graph, 3)
-    want = get_backend("reference").build(graph, {"float64": True})(args)
-    for got, expected in zip(exe(args), want):
+    reference = get_backend("reference").build(graph, {"float64": True})
+    for got, expected in zip(exe(args), reference(args)):
         assert rel_err(got, expected) <= REL_TOL
+    with torch.no_grad():
+        args[-1].mul_(-3)  # an in-place weight update reaches the packed copy
+    for got, expected in zip(exe(args), reference(args)):
+        assert rel_err(got, expected) <= REL_TOL
+    assert ("packed copy" in " ".join(str(s) for s in exe.plan.steps)) == pack
 
 
 def test_gemm_tuner_times_each_shape_once(tmp_path):
@@ -509,3 +518,31 @@ graph @pc(%x: f32[1, 8, 9, 9]) params(%w: f32[8, 8, 3, 3]) {
     torch.testing.assert_close(exe([x, w])[0], conv(x, w, padding=1), rtol=1e-4, atol=1e-4)
     other = torch.randn(8, 8, 3, 3)
     torch.testing.assert_close(exe([x, other])[0], conv(x, other, padding=1), rtol=1e-4, atol=1e-4)
+
+
+def test_convolution_chains_stay_channels_last_and_kernels_absorb_views():
+    """Kernels between channels-last convolutions write NHWC; kernels read the NCHW views
+    (and a user permute) through absorbed index arithmetic; poisoned memory catches any
+    read of an unwritten cell."""
+    from kiln.backends.cpu.graphplan import build_graph_plan
+    from kiln.backends.cpu.library import _PACKED_CONV
+    from kiln.backends.cpu.select import rule_choice
+
+    text = """
+graph @chain(%x: f32[1, 3, 17, 17]) params(%w1: f32[8, 3, 3, 3], %w2: f32[8, 8, 3, 3], %s: f32[8, 1, 1]) {
+  %0: f32[1, 8, 17, 17] = conv(%x, %w1) {stride=[1, 1], padding=[1, 1], dilation=[1, 1], groups=1}
+  %1: f32[1, 8, 17, 17] = mul(%0, %s)
+  %2: f32[1, 8, 17, 17] = relu(%1)
+  %3: f32[1, 8, 17, 17] = conv(%2, %w2) {stride=[1, 1], padding=[1, 1], dilation=[1, 1], groups=1}
+  %4: f32[1, 8, 17, 17] = add(%3, %2)
+  %5: f32[1, 8, 8, 8] = max_pool2d(%4) {kernel=[2, 2], stride=[2, 2]}
+  %6: f32[1, 8, 8, 8] = permute(%5) {dims=[0, 2, 3, 1]}
+  %7: f32[1, 8, 8, 8] = softmax(%6) {dim=-1}
+  return %7
+}"""
+    check_against_reference(text, poison=True)
+    plan = build_graph_plan(default_pipeline().run(ir.parse(text)).graph, rule_choice)
+    assert not [op for op in plan.ops if op.kind == "copy"]
+    if _PACKED_CONV:
+        written = [pv.name for op in plan.ops if op.kind == "kernel" for pv in op.outputs]
+        assert any(name.endswith(".nhwc") for name in written)

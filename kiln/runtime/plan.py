@@ -14,6 +14,7 @@ executable's arguments (user inputs, then parameters); the others are filled by 
   call;
 * :class:`ContiguousStep` -- makes an argument contiguous for a native kernel (a no-op for
   contiguous tensors);
+* :class:`PackStep` -- keeps a persistent contiguous copy of a weight view up to date;
 * :class:`ReleaseStep` -- drops tensors after their last use.
 
 A *workspace* holds what one thread needs to run the plan: the arena tensor (one
@@ -49,13 +50,15 @@ BoundCall = Callable[[Slots], None]
 
 @dataclass(frozen=True)
 class SlotSpec:
-    """A planned slot: an arena view (``offset`` in bytes) of ``shape``/``dtype``, or a fresh
-    output tensor allocated per call (``offset=None``)."""
+    """A planned slot: an arena view (``offset`` in bytes) of ``shape``/``dtype``, a fresh
+    output tensor allocated per call (``offset=None``), or, with ``persistent``, a tensor
+    each workspace allocates once and keeps across calls (packed weights)."""
 
     slot: int
     shape: tuple[int, ...]
     dtype: torch.dtype
     offset: int | None = None
+    persistent: bool = False
 
 
 @dataclass(frozen=True)
@@ -224,6 +227,36 @@ _RUNNER_PROTOTYPE = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_long, ctype
 
 
 @dataclass(frozen=True)
+class PackStep:
+    """Keep ``target`` (a persistent tensor of the workspace) equal to a contiguous copy of
+    the view ``view = (shape, strides, offset)`` of the tensor in ``source``: the copy is
+    made again only when that tensor's storage or version counter changed since the last
+    call, so a weight prepacked for a GEMM follows in-place updates of the parameter."""
+
+    source: int
+    view: tuple[tuple[int, ...], tuple[int, ...], int]
+    target: int
+    label: str = ""
+
+    def bind(self, static: set[int], template: Slots) -> BoundCall:
+        target = template[self.target]
+        shape, strides, offset = self.view
+        source = self.source
+        last: list[object] = [None]
+
+        def call(slots: Slots) -> None:
+            w = slots[source]
+            try:
+                key: object = (w.data_ptr(), w._version)
+            except RuntimeError:  # inference tensors have no version counter: always copy
+                key = None
+            if key is None or key != last[0]:
+                target.copy_(torch.as_strided(w, shape, strides, w.storage_offset() + offset))
+                last[0] = key
+        return call
+
+
+@dataclass(frozen=True)
 class ReleaseStep:
     """Drop the tensors in ``slots`` (library results after their last use), so their memory
     is freed during the call rather than at its end."""
@@ -241,7 +274,7 @@ class ReleaseStep:
         return call
 
 
-Step = KernelStep | NativeRunStep | TorchStep | ViewStep | ContiguousStep | ReleaseStep
+Step = KernelStep | NativeRunStep | TorchStep | ViewStep | ContiguousStep | PackStep | ReleaseStep
 
 
 def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -280,7 +313,8 @@ class CallPlan:
         self.num_args = num_args
         self.constants = dict(constants)
         self.arena_specs = [s for s in planned if s.offset is not None]
-        self.fresh_specs = [(s.slot, s.shape, s.dtype) for s in planned if s.offset is None]
+        self.persistent_specs = [s for s in planned if s.persistent]
+        self.fresh_specs = [(s.slot, s.shape, s.dtype) for s in planned if s.offset is None and not s.persistent]
         self.arena_bytes = arena_bytes
         self.steps = list(steps)
         self.outputs = list(outputs)
@@ -311,6 +345,9 @@ class CallPlan:
         for slot, tensor in self.constants.items():
             template[slot] = tensor
             static.add(slot)
+        for spec in self.persistent_specs:
+            template[spec.slot] = torch.empty(spec.shape, dtype=spec.dtype)
+            static.add(spec.slot)
         for spec in self.arena_specs:
             nbytes = _numel(spec.shape) * _itemsize(spec.dtype)
             raw = arena[spec.offset: spec.offset + nbytes]
@@ -373,4 +410,4 @@ def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-__all__ = ["CallPlan", "ContiguousStep", "KernelStep", "NativeRunStep", "ReleaseStep", "SlotSpec", "Step", "TorchStep", "ViewStep", "Workspace"]
+__all__ = ["CallPlan", "ContiguousStep", "KernelStep", "NativeRunStep", "PackStep", "ReleaseStep", "SlotSpec", "Step", "TorchStep", "ViewStep", "Workspace"]

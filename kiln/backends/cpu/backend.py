@@ -45,6 +45,7 @@ from kiln.runtime.plan import (
     CallPlan,
     ContiguousStep,
     NativeRunStep,
+    PackStep,
     ReleaseStep,
     SlotSpec,
     Step,
@@ -160,7 +161,7 @@ def build_executable(graph: Graph, choose: Callable[[Node], Choice], cache: Comp
     requests = lifetimes(gplan)
     memory = plan_memory(requests)
     kernels = gplan.kernels
-    providers = [op.gemm.provider for op in kernels if op.gemm is not None]
+    providers = [op.gemm.provider + ("+packed" if op.gemm.packed_b else "") for op in kernels if op.gemm is not None]
     key = cache_key(_key_text(graph), {"threads": threads, "schedule": schedule, "choices": gplan.choices,
                                        "gemm": providers},
                     toolchain.compiler_identity(cc), toolchain.build_identity())
@@ -188,11 +189,13 @@ def build_executable(graph: Graph, choose: Callable[[Node], Choice], cache: Comp
     else:
         symbols, hit, library_path = [], False, None
     lib, indexes = _load(library_path, symbols, bool(providers))
-    if "openblas" in providers:
+    if any(p.startswith("openblas") for p in providers):
         set_blas_threads(threads)
     steps = _bind_steps(gplan, lib, indexes)
     planned = [SlotSpec(pv.slot, tuple(pv.type.shape), torch_dtype(pv.type.dtype), memory.offsets.get(pv.slot))
                for pv in gplan.values if pv.origin == "buffer" and (pv.fresh or pv.slot in memory.offsets)]
+    planned += [SlotSpec(pv.slot, tuple(pv.type.shape), torch_dtype(pv.type.dtype), persistent=True)
+                for pv in gplan.values if pv.origin == "packed"]
     constants = {pv.slot: pv.const for pv in gplan.values if pv.const is not None}
     call_plan = CallPlan(num_slots=len(gplan.values), num_args=len(gplan.args), constants=constants,
                          planned=planned, arena_bytes=memory.arena_bytes, steps=steps,
@@ -318,6 +321,10 @@ def _bind_steps(gplan: GraphPlan, lib: Any, indexes: list[int | None]) -> list[S
                 steps[-1] = ContiguousStep(steps[-1].slots + ins)
             else:
                 steps.append(ContiguousStep(ins))
+        elif op.kind == "pack":
+            source = op.inputs[0]
+            view = (tuple(source.meta.shape), tuple(source.meta.stride()), source.meta.storage_offset())
+            steps.append(PackStep(source.root().slot, view, outs[0], op.label))
         elif op.kind == "clone":
             steps.append(TorchStep(torch.clone, ins, outs, False, op.label))
         elif op.kind == "release":

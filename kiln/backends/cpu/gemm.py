@@ -14,7 +14,11 @@ found by symbol: ``mkl`` (``sgemm_`` of ``libtorch_cpu``, 32-bit indices) and ``
 on the CPU (on AMD Zen 2, OpenBLAS runs large GEMMs ~30% faster, MKL wins on
 matrix-vector shapes), so :class:`GemmTuner` times both once per GEMM shape and machine
 and remembers the choice in ``gemm.json`` of the compile cache folder; GEMMs under
-:data:`TUNE_MIN_FLOPS` use MKL without timing.
+:data:`TUNE_MIN_FLOPS` use MKL without timing.  With several threads only MKL is used: it
+shares the OpenMP thread pool of kiln's kernels, while OpenBLAS's own spinning pool fights
+them for the cores.  For a transposed weight (``x @ W.T`` of
+``nn.Linear``) the tuner also times reading a contiguous copy of ``W.T`` (``packed_b``):
+OpenBLAS runs such GEMMs ~15% faster untransposed.
 
 Row-major ``C[M,N] = A[M,K] @ B[K,N]`` is column-major ``C^T = B^T A^T``: the call is
 ``gemm(tB, tA, N, M, K, 1, B, ldb, A, lda, 0, C, N)``.  A batch whose right operand is
@@ -92,6 +96,9 @@ class GemmSpec:
     a_strides: tuple[int, ...] = ()
     b_strides: tuple[int, ...] = ()
     provider: str = "mkl"
+    packed_b: bool = False
+    """B is read from a contiguous copy of the (transposed) weight that the runtime keeps
+    up to date (:class:`kiln.runtime.plan.PackStep`)."""
 
     @property
     def flops(self) -> int:
@@ -257,29 +264,43 @@ class GemmTuner:
         if self.path is None or not self.path.exists():
             return {}
         try:
-            return {k: v for k, v in json.loads(self.path.read_text()).items() if v in PROVIDERS}
+            return {k: v for k, v in json.loads(self.path.read_text()).items()
+                    if v.split("+")[0] in PROVIDERS}
         except (OSError, ValueError, AttributeError):
             return {}
 
-    def choose(self, spec: GemmSpec) -> GemmSpec:
-        """``spec`` with its provider set."""
+    def choose(self, spec: GemmSpec, packable: bool = False) -> GemmSpec:
+        """``spec`` with its provider set, and with ``packed_b`` (B read from a contiguous
+        copy) when ``packable`` (B is a transposed weight) and that measured faster."""
         providers = blas_providers()
-        if len(providers) < 2 or spec.flops < TUNE_MIN_FLOPS:
-            return replace(spec, provider="mkl" if "mkl" in providers else next(iter(providers)))
+        default = "mkl" if "mkl" in providers else next(iter(providers))
+        if spec.flops < TUNE_MIN_FLOPS or ((len(providers) < 2 or self.threads > 1) and not packable):
+            return replace(spec, provider=default)
         fields = asdict(replace(spec, provider="", batch=(), a_strides=(), b_strides=()))
-        key = f"{self.machine}|threads={self.threads}|{json.dumps(fields, sort_keys=True, default=str)}"
+        key = (f"{self.machine}|threads={self.threads}|packable={packable}|"
+               f"{json.dumps(fields, sort_keys=True, default=str)}")
+        names = [name for name in PROVIDERS if name in providers]
+        if self.threads > 1 and "mkl" in names:
+            # OpenBLAS keeps its own spinning thread pool; next to the OpenMP pool that
+            # kiln's kernels and MKL share it makes the cores fight (measured: 2-5x slower
+            # models on 2 cores), so several threads mean MKL only.
+            names = ["mkl"]
+        candidates = {name: replace(spec, provider=name) for name in names}
+        if packable:
+            packed = replace(spec, b=Operand("N", max(spec.n, 1)), packed_b=True)
+            candidates.update({f"{name}+packed": replace(packed, provider=name) for name in list(candidates)})
         with self._lock:
             known = self._choices.get(key)
-        if known in providers:
-            return replace(spec, provider=known)
+        if known in candidates:
+            return candidates[known]
         set_blas_threads(self.threads)
-        times = {name: _time_gemm(spec, providers[name]) for name in PROVIDERS if name in providers}
+        times = {name: _time_gemm(c, providers[c.provider]) for name, c in candidates.items()}
         best = min(times, key=times.__getitem__)
         self.timed += 1
         with self._lock:
             self._choices[key] = best
             self._save()
-        return replace(spec, provider=best)
+        return candidates[best]
 
     def _save(self) -> None:
         if self.path is None:
@@ -304,8 +325,11 @@ def _time_gemm(spec: GemmSpec, provider: BlasProvider, repeat: int = 3) -> float
                           ctypes.c_void_p, pointer, ctypes.c_void_p, pointer, ctypes.c_void_p, ctypes.c_void_p,
                           pointer)(provider.sgemm if spec.dtype == DType.float32 else provider.dgemm)
     dtype = np.float32 if spec.dtype == DType.float32 else np.float64
-    a = np.random.default_rng(0).standard_normal(max(spec.a.ld * max(spec.m, spec.k), 1)).astype(dtype)
-    b = np.random.default_rng(1).standard_normal(max(spec.b.ld * max(spec.k, spec.n), 1)).astype(dtype)
+    # rows stored: A is M x K ("N") or K x M ("T"), B is K x N ("N") or N x K ("T"), each row ld long
+    a_rows = spec.m if spec.a.trans == "N" else spec.k
+    b_rows = spec.k if spec.b.trans == "N" else spec.n
+    a = np.random.default_rng(0).standard_normal(max(spec.a.ld * a_rows, 1)).astype(dtype)
+    b = np.random.default_rng(1).standard_normal(max(spec.b.ld * b_rows, 1)).astype(dtype)
     c = np.empty(max(spec.m * spec.n, 1), dtype)
     m, n, k = index_c(spec.n), index_c(spec.m), index_c(spec.k)
     lda, ldb, ldc = index_c(spec.b.ld), index_c(spec.a.ld), index_c(max(spec.n, 1))

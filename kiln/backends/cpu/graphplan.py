@@ -12,6 +12,8 @@
 * ``copy``    -- a strided value copied into a contiguous buffer before a loop kernel reads it;
 * ``contiguous`` -- an argument or a library result made contiguous (a no-op when it is)
   before kernels read it or views of it;
+* ``pack``    -- a contiguous copy of a transposed weight that a GEMM reads, kept per
+  workspace and refreshed only when the weight changes;
 * ``clone``   -- a graph output that would alias a build-time constant is copied;
 * ``release`` -- tensors returned by library calls are dropped after their last use.
 
@@ -48,7 +50,8 @@ from .select import Choice, anchor_of
 @dataclass(eq=False)
 class PlanValue:
     """A tensor of the plan. ``origin``: ``arg``, ``const``, ``buffer`` (written in place by an
-    operation), ``returned`` (a new tensor from a library call) or ``view``."""
+    operation), ``returned`` (a new tensor from a library call), ``view`` or ``packed`` (a
+    persistent copy of a weight)."""
 
     slot: int
     type: TensorType
@@ -123,7 +126,7 @@ class GraphPlan:
 
 
 class _Builder:
-    def __init__(self, graph: Graph, gemm: Callable[[GemmSpec], GemmSpec] | None):
+    def __init__(self, graph: Graph, gemm: Callable[[GemmSpec, bool], GemmSpec] | None):
         self.graph = graph
         self.gemm_provider = gemm
         self.values: list[PlanValue] = []
@@ -203,20 +206,31 @@ class _Builder:
         self.of[out] = logical
         return logical
 
-    def _gemm_spec(self, anchor: Node, a: PlanValue, b: PlanValue) -> GemmSpec | None:
+    def _gemm_spec(self, anchor: Node, a: PlanValue, b: PlanValue) -> tuple[GemmSpec, PlanValue] | None:
+        """The GEMM of ``anchor`` and the value its kernel reads as B (a packed copy of a
+        transposed weight when the tuner chose one), or ``None``."""
         if self.gemm_provider is None or anchor.kind != "matmul":
             return None
         spec = gemm_spec(a.meta, b.meta, anchor.outputs[0].dtype)
-        return None if spec is None else self.gemm_provider(spec)
+        if spec is None:
+            return None
+        packable = b.root().origin == "arg" and b.type.rank == 2 and spec.b.trans == "T" and not spec.batch
+        spec = self.gemm_provider(spec, packable)
+        if not spec.packed_b:
+            return spec, b
+        packed = self.new(b.type, b.name + ".packed", "packed")
+        self.ops.append(PlanOp("pack", [b], [packed], f"packed copy of %{b.name}"))
+        return spec, packed
 
     def gemm(self, node: Node, ins: list[PlanValue], label: str) -> bool:
         """A plain matmul as a native GEMM kernel, when its operands allow one."""
-        spec = self._gemm_spec(node, ins[0], ins[1])
-        if spec is None:
+        found = self._gemm_spec(node, ins[0], ins[1])
+        if found is None:
             return False
+        spec, b = found
         out = self.new(node.outputs[0].type, node.outputs[0].name, "buffer")
         self.of[node.outputs[0]] = out
-        self.ops.append(PlanOp("kernel", ins, [out], f"{label} [gemm]", kernel_kind="matmul", gemm=spec))
+        self.ops.append(PlanOp("kernel", [ins[0], b], [out], f"{label} [gemm]", kernel_kind="matmul", gemm=spec))
         return True
 
     def library_epilogue(self, node: Node, ins: list[PlanValue], label: str) -> None:
@@ -226,7 +240,10 @@ class _Builder:
         operand = dict(zip(body.inputs, ins))
         result = anchor.outputs[0]
         anchor_ins = [operand[v] for v in anchor.inputs]
-        spec = self._gemm_spec(anchor, *anchor_ins[:2]) if anchor.kind == "matmul" else None
+        found = self._gemm_spec(anchor, *anchor_ins[:2]) if anchor.kind == "matmul" else None
+        spec = None
+        if found is not None:
+            spec, anchor_ins[1] = found
         epilogue, used = split_epilogue(body, anchor)
         escapes = result in body.outputs
         if spec is not None:
@@ -301,6 +318,8 @@ class _Builder:
         copies: dict[int, PlanValue] = {}
         roots_read: set[int] = set()
         for op in self.ops:
+            if op.kind == "pack":  # reads its weight through the root's predicted layout
+                roots_read.add(op.inputs[0].root().slot)
             if op.kind == "kernel":
                 absorb_views(op)
                 fixed = []
@@ -348,10 +367,11 @@ class _Builder:
         return outs
 
     def prune_views(self, outputs: list[PlanValue]) -> None:
-        """Keep only the view operations whose tensors something other than a kernel needs."""
+        """Keep only the view operations whose tensors something other than a kernel (or a
+        weight packing, which reads through the root) needs."""
         needed = {pv.slot for pv in outputs}
         for op in self.ops:
-            if op.kind not in ("kernel", "view"):
+            if op.kind not in ("kernel", "view", "pack"):
                 needed.update(pv.slot for pv in op.inputs)
         for op in reversed(self.ops):
             if op.kind == "view" and (op.outputs[0].slot in needed or op.outputs[0].origin == "returned"):
@@ -420,9 +440,10 @@ def split_epilogue(body: Graph, anchor: Node) -> tuple[Graph | None, list[Value]
 
 
 def build_graph_plan(graph: Graph, choose: Callable[[Node], Choice], *,
-                     gemm: Callable[[GemmSpec], GemmSpec] | None = None) -> GraphPlan:
+                     gemm: Callable[[GemmSpec, bool], GemmSpec] | None = None) -> GraphPlan:
     """The operations that run ``graph`` (module docstring); ``choose`` picks each node's
-    implementation; ``gemm`` (which sets a GEMM's BLAS provider) allows native GEMM kernels."""
+    implementation; ``gemm(spec, packable)`` (which sets a GEMM's BLAS provider and weight
+    packing) allows native GEMM kernels."""
     b = _Builder(graph, gemm)
     args = []
     for v in (*graph.inputs, *graph.params):
