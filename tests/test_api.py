@@ -300,6 +300,8 @@ def test_import_is_cheap():
 def test_demo_prints_an_honest_table(capsys):
     rows = demo.run(runs=2)
     text = capsys.readouterr().out
-    assert "max rel err" in text and "eager ms" in text and "slower" in text
+    assert "max rel err" in text and "eager ms" in text
+    # every row states its ratio against eager in words, whichever way it goes
+    assert text.count(" slower") + text.count(" faster") >= 2
     assert {r["model"] for r in rows} == {"mlp", "transformer block"}
     assert all(r["rel_err"] <= REL_TOL for r in rows)

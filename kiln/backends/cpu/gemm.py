@@ -166,8 +166,8 @@ def gemm_function(name: str, spec: GemmSpec) -> str:
     index = _INDEX[spec.provider][0]
     routine = f"kiln_{'s' if spec.dtype == DType.float32 else 'd'}gemm_{spec.provider}"
     lines = [f"static void {name}(const {ctype} *A, const {ctype} *B, {ctype} *C) {{",
-             f"  const {index} m = {spec.n}, n = {spec.m}, k = {spec.k}, lda = {spec.b.ld}, "
-             f"ldb = {spec.a.ld}, ldc = {max(spec.n, 1)};",
+             (f"  const {index} m = {spec.n}, n = {spec.m}, k = {spec.k}, lda = {spec.b.ld}, "
+              f"ldb = {spec.a.ld}, ldc = {max(spec.n, 1)};"),
              f"  const {ctype} one = 1, zero = 0;"]
     call = (f"{routine}(\"{spec.b.trans}\", \"{spec.a.trans}\", &m, &n, &k, &one, B + b_off, &lda, A + a_off, "
             "&ldb, &zero, C + c_off, &ldc);")

@@ -28,8 +28,8 @@ fallback for nodes nothing else can run.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
