@@ -34,8 +34,6 @@ import glob
 import json
 import math
 import os
-import tempfile
-import threading
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -44,6 +42,8 @@ import numpy as np
 import torch
 
 from kiln.ir.types import DType
+
+from .choices import ChoiceStore
 
 _CTYPE = {DType.float32: "float", DType.float64: "double"}
 PROVIDERS = ("mkl", "openblas")
@@ -253,21 +253,10 @@ class GemmTuner:
     ``path=None`` they last as long as the tuner."""
 
     def __init__(self, path: Path | None, machine: str, threads: int):
-        self.path = path
         self.machine = machine
         self.threads = threads
         self.timed = 0
-        self._lock = threading.Lock()
-        self._choices = self._load()
-
-    def _load(self) -> dict[str, str]:
-        if self.path is None or not self.path.exists():
-            return {}
-        try:
-            return {k: v for k, v in json.loads(self.path.read_text()).items()
-                    if v.split("+")[0] in PROVIDERS}
-        except (OSError, ValueError, AttributeError):
-            return {}
+        self._store = ChoiceStore(path, lambda v: v.split("+")[0] in PROVIDERS, ".gemm.")
 
     def choose(self, spec: GemmSpec, packable: bool = False) -> GemmSpec:
         """``spec`` with its provider set, and with ``packed_b`` (B read from a contiguous
@@ -289,31 +278,15 @@ class GemmTuner:
         if packable:
             packed = replace(spec, b=Operand("N", max(spec.n, 1)), packed_b=True)
             candidates.update({f"{name}+packed": replace(packed, provider=name) for name in list(candidates)})
-        with self._lock:
-            known = self._choices.get(key)
+        known = self._store.get(key)
         if known in candidates:
             return candidates[known]
         set_blas_threads(self.threads)
         times = {name: _time_gemm(c, providers[c.provider]) for name, c in candidates.items()}
         best = min(times, key=times.__getitem__)
         self.timed += 1
-        with self._lock:
-            self._choices[key] = best
-            self._save()
+        self._store.put(key, best)
         return candidates[best]
-
-    def _save(self) -> None:
-        if self.path is None:
-            return
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            merged = {**self._load(), **self._choices}
-            fd, tmp = tempfile.mkstemp(prefix=".gemm.", dir=self.path.parent)
-            with os.fdopen(fd, "w") as f:
-                json.dump(merged, f, indent=1, sort_keys=True)
-            os.replace(tmp, self.path)
-        except OSError:
-            pass  # an unwritable cache folder only costs timing again next time
 
 
 def _time_gemm(spec: GemmSpec, provider: BlasProvider, repeat: int = 3) -> float:

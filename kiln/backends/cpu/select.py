@@ -32,15 +32,13 @@ remembered per node signature (op, attributes, operand types, machine) in
 from __future__ import annotations
 
 import json
-import os
-import tempfile
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from kiln.ir import Graph, Node
 
+from .choices import ChoiceStore
 from .library import VIEWS, library_name
 
 IMPLEMENTATIONS = ("view", "fold", "library", "library+epilogue", "generated", "reference")
@@ -118,21 +116,10 @@ class TimedSelector:
     """
 
     def __init__(self, path: Path | None, machine: str, measure: Callable[[Node, str], float]):
-        self.path = path
         self.machine = machine
         self.measure = measure
         self.timed = 0
-        self._lock = threading.Lock()
-        self._choices = self._load()
-
-    def _load(self) -> dict[str, str]:
-        if self.path is None or not self.path.exists():
-            return {}
-        try:
-            data = json.loads(self.path.read_text())
-            return {k: v for k, v in data.items() if isinstance(v, str) and v in IMPLEMENTATIONS}
-        except (OSError, ValueError):
-            return {}
+        self._store = ChoiceStore(path, lambda v: v in IMPLEMENTATIONS, ".selection.")
 
     def choose(self, node: Node) -> Choice:
         impls = available(node)
@@ -140,31 +127,15 @@ class TimedSelector:
         if len(candidates) < 2:
             return rule_choice(node)
         key = f"{self.machine}|{signature(node)}"
-        with self._lock:
-            known = self._choices.get(key)
+        known = self._store.get(key)
         if known in candidates:
             return Choice(known, "timed earlier")
         times = {impl: self.measure(node, impl) for impl in candidates}
         best = min(times, key=times.__getitem__)
         self.timed += 1
-        with self._lock:
-            self._choices[key] = best
-            self._save()
+        self._store.put(key, best)
         detail = ", ".join(f"{k} {v * 1e6:.0f} us" for k, v in times.items())
         return Choice(best, f"timed: {detail}")
-
-    def _save(self) -> None:
-        if self.path is None:
-            return
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            merged = {**self._load(), **self._choices}
-            fd, tmp = tempfile.mkstemp(prefix=".selection.", dir=self.path.parent)
-            with os.fdopen(fd, "w") as f:
-                json.dump(merged, f, indent=1, sort_keys=True)
-            os.replace(tmp, self.path)
-        except OSError:
-            pass  # a read-only cache folder only costs re-timing next time
 
 
 __all__ = [
