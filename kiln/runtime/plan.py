@@ -237,11 +237,15 @@ class PackStep:
     view: tuple[tuple[int, ...], tuple[int, ...], int]
     target: int
     label: str = ""
+    panels: bool = False
+    """Write the ``K x N`` view as 16-column panels (``(ceil(N/16), K, 16)``, zero-padded),
+    the layout of kiln's own GEMM, instead of a plain contiguous copy."""
 
     def bind(self, static: set[int], template: Slots) -> BoundCall:
         target = template[self.target]
         shape, strides, offset = self.view
         source = self.source
+        panels = self.panels
         last: list[object] = [None]
 
         def call(slots: Slots) -> None:
@@ -251,9 +255,26 @@ class PackStep:
             except RuntimeError:  # inference tensors have no version counter: always copy
                 key = None
             if key is None or key != last[0]:
-                target.copy_(torch.as_strided(w, shape, strides, w.storage_offset() + offset))
+                view = torch.as_strided(w, shape, strides, w.storage_offset() + offset)
+                if panels:
+                    write_panels(view, target)
+                else:
+                    target.copy_(view)
                 last[0] = key
         return call
+
+
+def write_panels(b: torch.Tensor, out: torch.Tensor) -> None:
+    """``b`` (``K x N``) into ``out`` (``(P, K, W)``) as ``W``-column panels, zero-padded."""
+    k, n = b.shape
+    width = out.shape[2]
+    full = n // width
+    if full:
+        out[:full].copy_(b[:, : full * width].reshape(k, full, width).permute(1, 0, 2))
+    rest = n - full * width
+    if rest:
+        out[full, :, :rest].copy_(b[:, full * width:])
+        out[full, :, rest:].zero_()
 
 
 @dataclass(frozen=True)
@@ -410,4 +431,4 @@ def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-__all__ = ["CallPlan", "ContiguousStep", "KernelStep", "NativeRunStep", "PackStep", "ReleaseStep", "SlotSpec", "Step", "TorchStep", "ViewStep", "Workspace"]
+__all__ = ["CallPlan", "write_panels", "ContiguousStep", "KernelStep", "NativeRunStep", "PackStep", "ReleaseStep", "SlotSpec", "Step", "TorchStep", "ViewStep", "Workspace"]

@@ -31,6 +31,7 @@ its own workspace (arena and pointer arrays), so calls never share intermediate 
 from __future__ import annotations
 
 import ctypes
+import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
@@ -56,7 +57,8 @@ from kiln.runtime.tensors import torch_dtype
 
 from . import toolchain
 from .codegen import KernelSource, c_comment, kernel_function, sanitize_program, translation_unit
-from .gemm import PROVIDERS, GemmTuner, blas_providers, set_blas_threads
+from . import microgemm
+from .gemm import KILN_PROVIDER, PROVIDERS, GemmTuner, blas_providers, set_blas_threads
 from .graphplan import GraphPlan, PlanOp, build_graph_plan, lifetimes
 from .library import reference_call
 from .plan import MemoryPlan, plan_memory
@@ -92,7 +94,7 @@ class CpuBackend(Backend):
         else:
             choose = rule_choice
         tuner = GemmTuner(cache.directory / "gemm.json" if cache.enabled else None,
-                          toolchain.compiler_identity(cc), threads)
+                          toolchain.compiler_identity(cc), threads, microgemm.library(cache, cc))
         return build_executable(graph, choose, cache, cc, threads=threads, schedule=bool(opts["schedule"]),
                                 poison=bool(opts["poison"]), tuner=tuner)
 
@@ -103,7 +105,7 @@ class CpuBackend(Backend):
             threads = int(opts["threads"] or torch.get_num_threads())
             cc = toolchain.find_compiler()
             tuner = GemmTuner(cache.directory / "gemm.json" if cache.enabled else None,
-                              toolchain.compiler_identity(cc), threads)
+                              toolchain.compiler_identity(cc), threads, microgemm.library(cache, cc))
             exe = build_executable(
                 probe, lambda n: Choice(impl, "probe") if n is target else rule_choice(n), cache, cc,
                 threads=threads, schedule=bool(opts["schedule"]), tuner=tuner)
@@ -156,7 +158,8 @@ def build_executable(graph: Graph, choose: Callable[[Node], Choice], cache: Comp
                      tuner: GemmTuner | None = None) -> CpuExecutable:
     """Build ``graph`` (module docstring, steps 1-4)."""
     start = time.perf_counter()
-    gemm = (tuner or GemmTuner(None, toolchain.compiler_identity(cc), threads)).choose if blas_providers() else None
+    tuner = tuner or GemmTuner(None, toolchain.compiler_identity(cc), threads, microgemm.library(cache, cc))
+    gemm = tuner.choose if blas_providers() or tuner.micro is not None else None
     gplan = build_graph_plan(graph, choose, gemm=gemm)
     requests = lifetimes(gplan)
     memory = plan_memory(requests)
@@ -188,7 +191,7 @@ def build_executable(graph: Graph, choose: Callable[[Node], Choice], cache: Comp
             library_path = entry.library
     else:
         symbols, hit, library_path = [], False, None
-    lib, indexes = _load(library_path, symbols, bool(providers))
+    lib, indexes = _load(library_path, symbols, bool(providers), tuner.micro)
     if any(p.startswith("openblas") for p in providers):
         set_blas_threads(threads)
     steps = _bind_steps(gplan, lib, indexes)
@@ -260,7 +263,8 @@ def _kernel_source(symbol: str, op: PlanOp, *, threads: int, schedule: bool) -> 
     return KernelSource(symbol, program, names, constants, comment=op.label, gemm=op.gemm), trace
 
 
-def _load(path: Any, symbols: list[str | None], gemm: bool) -> tuple[Any, list[int | None]]:
+def _load(path: Any, symbols: list[str | None], gemm: bool, micro: microgemm.MicroGemm | None
+          ) -> tuple[Any, list[int | None]]:
     """The loaded library (or None) and each kernel's index in its ``kiln_run`` table."""
     indexes: list[int | None] = []
     for s in symbols:
@@ -274,9 +278,15 @@ def _load(path: Any, symbols: list[str | None], gemm: bool) -> tuple[Any, list[i
             if provider is not None:
                 lib.kiln_set_blas(ctypes.c_long(index), ctypes.c_void_p(provider.sgemm),
                                   ctypes.c_void_p(provider.dgemm))
+        if micro is not None:
+            lib.kiln_set_mgemm(ctypes.c_void_p(micro.address))
     lib.kiln_run.argtypes = [ctypes.POINTER(ctypes.c_long), ctypes.c_long, ctypes.POINTER(ctypes.c_void_p)]
     lib.kiln_run.restype = None
     return lib, indexes
+
+
+_SEPARATE_KERNELS = os.environ.get("KILN_PROFILE_KERNELS") == "1"
+"""``KILN_PROFILE_KERNELS=1``: one native call per kernel, so ``plan.profile`` times each."""
 
 
 def _bind_steps(gplan: GraphPlan, lib: Any, indexes: list[int | None]) -> list[Step]:
@@ -301,6 +311,8 @@ def _bind_steps(gplan: GraphPlan, lib: Any, indexes: list[int | None]) -> list[S
                 args = op.args
                 run.append((index, tuple(pv.root().slot for pv in args), tuple(pv.byte_offset for pv in args)))
                 labels.append(op.label)
+                if _SEPARATE_KERNELS:
+                    flush()
                 continue
             flush()
             steps.append(_kernel_fallback(op))
@@ -324,7 +336,8 @@ def _bind_steps(gplan: GraphPlan, lib: Any, indexes: list[int | None]) -> list[S
         elif op.kind == "pack":
             source = op.inputs[0]
             view = (tuple(source.meta.shape), tuple(source.meta.stride()), source.meta.storage_offset())
-            steps.append(PackStep(source.root().slot, view, outs[0], op.label))
+            steps.append(PackStep(source.root().slot, view, outs[0], op.label,
+                                  panels=op.outputs[0].type.shape != source.type.shape))
         elif op.kind == "clone":
             steps.append(TorchStep(torch.clone, ins, outs, False, op.label))
         elif op.kind == "release":
@@ -359,7 +372,10 @@ def _kernel_fallback(op: PlanOp) -> TorchStep:
         targets = list(tensors[n_in:])
         if gemm:
             result = targets[result_index]
-            torch.matmul(args[0], args[1], out=result)
+            b = args[1]
+            if b.dim() == 3 and op.gemm.packed_b and op.gemm.provider == KILN_PROVIDER:  # panels -> K x N
+                b = b.permute(1, 0, 2).reshape(b.shape[1], -1)[:, :op.gemm.n]
+            torch.matmul(args[0], b, out=result)
             if loops is not None:
                 loop_outs = [o for i, o in enumerate(targets[:n_out]) if not (i == 0 and not op.temps)]
                 loops(result, *args[2:], *loop_outs)

@@ -8,13 +8,15 @@ a C function calling the provider's Fortran ``sgemm``/``dgemm`` through function
 that the backend sets once after loading the shared object (``kiln_set_blas``).  The
 generated kernel then runs the GEMM and its fused epilogue in one native call.
 
-Providers (:func:`blas_providers`) are the BLAS libraries torch and numpy bring along,
+Providers are the BLAS libraries torch and numpy bring along (:func:`blas_providers`),
 found by symbol: ``mkl`` (``sgemm_`` of ``libtorch_cpu``, 32-bit indices) and ``openblas``
-(``scipy_sgemm_64_`` of numpy's bundled OpenBLAS, 64-bit indices).  Which is faster depends
-on the CPU (on AMD Zen 2, OpenBLAS runs large GEMMs ~30% faster, MKL wins on
-matrix-vector shapes), so :class:`GemmTuner` times both once per GEMM shape and machine
-and remembers the choice in ``gemm.json`` of the compile cache folder; GEMMs under
-:data:`TUNE_MIN_FLOPS` use MKL without timing.  With several threads only MKL is used: it
+(``scipy_sgemm_64_`` of numpy's bundled OpenBLAS, 64-bit indices); and ``kiln``, kiln's own
+float32 GEMM (:mod:`.microgemm`, B read from 16-column panels; weights are packed once).
+Which is fastest depends on the CPU and the shape (on AMD Zen 2, kiln's GEMM runs the
+GEMMs of transformers ~1.5x faster than MKL; on one thread OpenBLAS beats MKL by ~30%,
+MKL wins on matrix-vector shapes), so :class:`GemmTuner` times the candidates once per
+GEMM shape and machine and remembers the choice in ``gemm.json`` of the compile cache
+folder; GEMMs under :data:`TUNE_MIN_FLOPS` use MKL without timing.  With several threads only MKL is used: it
 shares the OpenMP thread pool of kiln's kernels, while OpenBLAS's own spinning pool fights
 them for the cores.  For a transposed weight (``x @ W.T`` of
 ``nn.Linear``) the tuner also times reading a contiguous copy of ``W.T`` (``packed_b``):
@@ -35,6 +37,7 @@ import json
 import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -44,9 +47,13 @@ import torch
 from kiln.ir.types import DType
 
 from .choices import ChoiceStore
+from .microgemm import MicroGemm, pack_panels, packed_shape
 
 _CTYPE = {DType.float32: "float", DType.float64: "double"}
 PROVIDERS = ("mkl", "openblas")
+"""BLAS providers (see :func:`blas_providers`)."""
+KILN_PROVIDER = "kiln"
+"""kiln's own float32 GEMM (:mod:`.microgemm`), a provider beside the BLAS libraries."""
 _INDEX = {"mkl": ("int", ctypes.c_int), "openblas": ("long", ctypes.c_long)}
 TUNE_MIN_FLOPS = 4e6
 """GEMMs with fewer flops use MKL without timing (its small-shape paths are the faster)."""
@@ -68,6 +75,10 @@ def blas_prelude() -> str:
         lines.append(f"  if (provider == {i}) {{ kiln_sgemm_{provider} = (kiln_sgemm_{provider}_fn)sgemm; "
                      f"kiln_dgemm_{provider} = (kiln_dgemm_{provider}_fn)dgemm; }}")
     lines.append("}")
+    lines.append("typedef int (*kiln_mgemm_fn)(long, long, long, const float *, long, long, const float *, long, "
+                 "long, int, float *, long);")
+    lines.append("static kiln_mgemm_fn kiln_mgemm;")
+    lines.append("void kiln_set_mgemm(void *f) { kiln_mgemm = (kiln_mgemm_fn)f; }")
     return "\n".join(lines) + "\n"
 
 
@@ -163,16 +174,22 @@ def _merge_batch(spec: GemmSpec) -> GemmSpec:
 def gemm_function(name: str, spec: GemmSpec) -> str:
     """``static void name(const T *A, const T *B, T *C)`` running ``spec``."""
     ctype = _CTYPE[spec.dtype]
-    index = _INDEX[spec.provider][0]
-    routine = f"kiln_{'s' if spec.dtype == DType.float32 else 'd'}gemm_{spec.provider}"
-    lines = [f"static void {name}(const {ctype} *A, const {ctype} *B, {ctype} *C) {{",
-             (f"  const {index} m = {spec.n}, n = {spec.m}, k = {spec.k}, lda = {spec.b.ld}, "
-              f"ldb = {spec.a.ld}, ldc = {max(spec.n, 1)};"),
-             f"  const {ctype} one = 1, zero = 0;"]
-    call = (f"{routine}(\"{spec.b.trans}\", \"{spec.a.trans}\", &m, &n, &k, &one, B + b_off, &lda, A + a_off, "
-            "&ldb, &zero, C + c_off, &ldc);")
+    lines = [f"static void {name}(const {ctype} *A, const {ctype} *B, {ctype} *C) {{"]
+    if spec.provider == KILN_PROVIDER:
+        am, ak = (spec.a.ld, 1) if spec.a.trans == "N" else (1, spec.a.ld)
+        bk, bn = (0, 0) if spec.packed_b else (spec.b.ld, 1) if spec.b.trans == "N" else (1, spec.b.ld)
+        call = (f"kiln_mgemm({spec.m}L, {spec.n}L, {spec.k}L, A + a_off, {am}L, {ak}L, B + b_off, {bk}L, {bn}L, "
+                f"{int(spec.packed_b)}, C + c_off, {max(spec.n, 1)}L);")
+    else:
+        index = _INDEX[spec.provider][0]
+        routine = f"kiln_{'s' if spec.dtype == DType.float32 else 'd'}gemm_{spec.provider}"
+        lines += [(f"  const {index} m = {spec.n}, n = {spec.m}, k = {spec.k}, lda = {spec.b.ld}, "
+                   f"ldb = {spec.a.ld}, ldc = {max(spec.n, 1)};"),
+                  f"  const {ctype} one = 1, zero = 0;"]
+        call = (f"{routine}(\"{spec.b.trans}\", \"{spec.a.trans}\", &m, &n, &k, &one, B + b_off, &lda, "
+                "A + a_off, &ldb, &zero, C + c_off, &ldc);")
     if spec.m == 0 or spec.n == 0:
-        lines.append("  (void)A; (void)B; (void)C; (void)one; (void)zero;")
+        lines.append("  (void)A; (void)B; (void)C;")
     elif not spec.batch:
         lines.append("  const long a_off = 0, b_off = 0, c_off = 0;")
         lines.append(f"  {call}")
@@ -250,47 +267,95 @@ class GemmTuner:
     """Choose a provider per GEMM shape by timing each once (see the module docstring).
 
     Choices persist in ``path`` (JSON, keyed by ``machine``, threads and the shape); with
-    ``path=None`` they last as long as the tuner."""
+    ``path=None`` they last as long as the tuner.  ``micro`` is kiln's own GEMM library
+    (:func:`kiln.backends.cpu.microgemm.library`), a candidate for float32 when given."""
 
-    def __init__(self, path: Path | None, machine: str, threads: int):
+    def __init__(self, path: Path | None, machine: str, threads: int, micro: MicroGemm | None = None):
         self.machine = machine
         self.threads = threads
+        self.micro = micro
         self.timed = 0
-        self._store = ChoiceStore(path, lambda v: v.split("+")[0] in PROVIDERS, ".gemm.")
+        self._store = ChoiceStore(path, lambda v: v.split("+")[0] in (*PROVIDERS, KILN_PROVIDER), ".gemm.")
 
-    def choose(self, spec: GemmSpec, packable: bool = False) -> GemmSpec:
-        """``spec`` with its provider set, and with ``packed_b`` (B read from a contiguous
-        copy) when ``packable`` (B is a transposed weight) and that measured faster."""
+    def candidates(self, spec: GemmSpec, packable: bool = False) -> dict[str, GemmSpec]:
+        """Every way to run ``spec`` here, by name (``provider`` or ``provider+packed``)."""
         providers = blas_providers()
-        default = "mkl" if "mkl" in providers else next(iter(providers))
-        if spec.flops < TUNE_MIN_FLOPS or ((len(providers) < 2 or self.threads > 1) and not packable):
-            return replace(spec, provider=default)
-        fields = asdict(replace(spec, provider="", batch=(), a_strides=(), b_strides=()))
-        key = (f"{self.machine}|threads={self.threads}|packable={packable}|"
-               f"{json.dumps(fields, sort_keys=True, default=str)}")
         names = [name for name in PROVIDERS if name in providers]
         if self.threads > 1 and "mkl" in names:
             # OpenBLAS keeps its own spinning thread pool; next to the OpenMP pool that
             # kiln's kernels and MKL share it makes the cores fight (measured: 2-5x slower
             # models on 2 cores), so several threads mean MKL only.
             names = ["mkl"]
-        candidates = {name: replace(spec, provider=name) for name in names}
+        found = {name: replace(spec, provider=name) for name in names}
         if packable:
             packed = replace(spec, b=Operand("N", max(spec.n, 1)), packed_b=True)
-            candidates.update({f"{name}+packed": replace(packed, provider=name) for name in list(candidates)})
+            found.update({f"{name}+packed": replace(packed, provider=name) for name in names})
+        if self.micro is not None and spec.dtype == DType.float32:
+            found[KILN_PROVIDER] = replace(spec, provider=KILN_PROVIDER, packed_b=packable)
+        return found
+
+    def choose(self, spec: GemmSpec, packable: bool = False) -> GemmSpec:
+        """``spec`` with its provider set (and ``packed_b`` when B, a transposed weight if
+        ``packable``, is read from a packed copy), the fastest measured for its shape."""
+        candidates = self.candidates(spec, packable)
+        if not candidates:
+            raise ValueError("kiln GEMM: no BLAS library and no kiln GEMM for this dtype")
+        default = next(iter(candidates))
+        if spec.flops < TUNE_MIN_FLOPS or len(candidates) == 1:
+            return candidates[default]
+        fields = asdict(replace(spec, provider="", batch=(), a_strides=(), b_strides=()))
+        key = (f"v2|{self.machine}|threads={self.threads}|packable={packable}|"
+               f"{json.dumps(fields, sort_keys=True, default=str)}")
         known = self._store.get(key)
         if known in candidates:
             return candidates[known]
         set_blas_threads(self.threads)
-        times = {name: _time_gemm(c, providers[c.provider]) for name, c in candidates.items()}
-        best = min(times, key=times.__getitem__)
+        runs = {name: self._runner(c) for name, c in candidates.items()}
+        best = _fastest(runs)
         self.timed += 1
         self._store.put(key, best)
         return candidates[best]
 
+    def _runner(self, spec: GemmSpec) -> Callable[[], None]:
+        if spec.provider == KILN_PROVIDER:
+            assert self.micro is not None
+            return _micro_runner(spec, self.micro)
+        return _blas_runner(spec, blas_providers()[spec.provider])
 
-def _time_gemm(spec: GemmSpec, provider: BlasProvider, repeat: int = 3) -> float:
-    """Best seconds of one GEMM of ``spec``'s shape (one batch entry) with ``provider``."""
+
+def _fastest(runs: dict[str, Callable[[], None]], rounds: int = 5) -> str:
+    """The name of the fastest call: each is warmed up, then all are timed in turn for
+    ``rounds`` rounds and the best time of each counts (interleaving makes a disturbance by
+    other processes hit every candidate alike)."""
+    best = dict.fromkeys(runs, float("inf"))
+    for run in runs.values():
+        run()
+    for _ in range(rounds):
+        for name, run in runs.items():
+            start = time.perf_counter()
+            run()
+            best[name] = min(best[name], time.perf_counter() - start)
+    return min(best, key=best.__getitem__)
+
+
+def _micro_runner(spec: GemmSpec, micro: MicroGemm) -> Callable[[], None]:
+    """One GEMM of ``spec``'s shape (one batch entry) with kiln's GEMM, on random data."""
+    a = torch.randn(spec.m, spec.k) if spec.a.trans == "N" else torch.randn(spec.k, spec.m).T
+    b = torch.randn(spec.k, spec.n) if spec.b.trans == "N" else torch.randn(spec.n, spec.k).T
+    c = torch.empty(spec.m, spec.n)
+    if spec.packed_b:
+        b = torch.empty(packed_shape(spec.k, spec.n))
+        pack_panels(torch.randn(spec.k, spec.n), b)
+
+    def run() -> None:
+        micro.gemm(spec.m, spec.n, spec.k, a.data_ptr(), a.stride(0), a.stride(1), b.data_ptr(),
+                   0 if spec.packed_b else b.stride(0), 0 if spec.packed_b else b.stride(1), spec.packed_b,
+                   c.data_ptr(), max(spec.n, 1))
+    return run
+
+
+def _blas_runner(spec: GemmSpec, provider: BlasProvider) -> Callable[[], None]:
+    """One GEMM of ``spec``'s shape (one batch entry) with ``provider``, on random data."""
     index_c = _INDEX[provider.name][1]
     scalar = ctypes.c_float if spec.dtype == DType.float32 else ctypes.c_double
     pointer = ctypes.POINTER(index_c)
@@ -312,14 +377,8 @@ def _time_gemm(spec: GemmSpec, provider: BlasProvider, repeat: int = 3) -> float
         fn(spec.b.trans.encode(), spec.a.trans.encode(), m, n, k, ctypes.addressof(one), b.ctypes.data, lda,
            a.ctypes.data, ldb, ctypes.addressof(zero), c.ctypes.data, ldc)
 
-    run()
-    best = float("inf")
-    for _ in range(repeat):
-        start = time.perf_counter()
-        run()
-        best = min(best, time.perf_counter() - start)
-    return best
+    return run
 
 
-__all__ = ["PROVIDERS", "TUNE_MIN_FLOPS", "BlasProvider", "GemmSpec", "GemmTuner", "Operand", "blas_prelude",
+__all__ = ["KILN_PROVIDER", "PROVIDERS", "TUNE_MIN_FLOPS", "BlasProvider", "GemmSpec", "GemmTuner", "Operand", "blas_prelude",
            "blas_providers", "blas_symbols", "gemm_function", "gemm_spec", "set_blas_threads"]

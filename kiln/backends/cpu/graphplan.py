@@ -41,7 +41,8 @@ from kiln.ir.types import TensorType
 from kiln.runtime.tensors import from_numpy, torch_dtype
 
 from .absorb import absorb_views, permute_result
-from .gemm import GemmSpec, gemm_spec
+from .gemm import KILN_PROVIDER, GemmSpec, gemm_spec
+from .microgemm import packed_shape
 from .library import VIEWS, LibraryCall, library_call, reference_call
 from .plan import BufferRequest
 from .select import Choice, anchor_of
@@ -218,8 +219,13 @@ class _Builder:
         spec = self.gemm_provider(spec, packable)
         if not spec.packed_b:
             return spec, b
-        packed = self.new(b.type, b.name + ".packed", "packed")
-        self.ops.append(PlanOp("pack", [b], [packed], f"packed copy of %{b.name}"))
+        if spec.provider == KILN_PROVIDER:  # 16-column panels (kiln.backends.cpu.microgemm)
+            packed_type = b.type.with_shape(packed_shape(spec.k, spec.n))
+            label = f"panels of %{b.name}"
+        else:
+            packed_type, label = b.type, f"packed copy of %{b.name}"
+        packed = self.new(packed_type, b.name + ".packed", "packed")
+        self.ops.append(PlanOp("pack", [b], [packed], label))
         return spec, packed
 
     def gemm(self, node: Node, ins: list[PlanValue], label: str) -> bool:
