@@ -196,7 +196,7 @@ def _graphs_in(value: Any) -> Iterable[Graph]:
 
 def _node_text(node: Node) -> str:
     outs = ", ".join(_name(v) for v in node.outputs)
-    op = getattr(node.op, "name", repr(node.op))
+    op = node.op.name if hasattr(node.op, "name") else repr(node.op)
     return f"{outs} = {op}" if outs else op
 
 

@@ -14,6 +14,9 @@ name                             call                                           
                                  ``torch.nn.functional.conv{1,2,3}d``
 ``scaled_dot_product_attention`` ``torch.nn.functional.scaled_dot_product_attention``  no
 ``embedding``                    ``torch.index_select(w, 0, idx, out=o)``              yes
+``index_put``                    ``aten.index_put`` (integer indices; the gradient     no
+                                 of embeddings and gathers)
+``scatter_add``                  ``torch.scatter_add``                                 no
 ===============================  ==================================================  ===========
 
 "Writes into" calls fill an output buffer the memory plan owns; the others return a new
@@ -37,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from kiln.ir import Node
-from kiln.ir.types import normalize_dim
+from kiln.ir.types import DType, normalize_dim
 from kiln.runtime.tensors import from_numpy, to_numpy
 
 
@@ -132,11 +135,36 @@ def _embedding(node: Node) -> LibraryCall:
     return LibraryCall(embedding, True, "torch.index_select")
 
 
+def _index_put(node: Node) -> LibraryCall:
+    rank = node.inputs[0].type.rank
+    starts = [normalize_dim(d, rank) for d in node.attrs["dims"]]
+    accumulate = node.attrs["accumulate"]
+
+    def index_put(x: torch.Tensor, values: torch.Tensor, *indices: torch.Tensor) -> torch.Tensor:
+        key: list[torch.Tensor | None] = [None] * rank
+        for start, index in zip(starts, indices):
+            key[start] = index
+        while key and key[-1] is None:
+            key.pop()
+        return torch.ops.aten.index_put(x, key, values.to(x.dtype), accumulate)
+    return LibraryCall(index_put, False, "torch index_put")
+
+
+def _scatter_add(node: Node) -> LibraryCall:
+    dim = node.attrs["dim"]
+
+    def scatter_add(x: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+        return torch.scatter_add(x, dim, index, src)
+    return LibraryCall(scatter_add, False, "torch.scatter_add")
+
+
 LIBRARY: dict[str, Callable[[Node], LibraryCall]] = {
     "matmul": _matmul,
     "conv": _conv,
     "scaled_dot_product_attention": _sdpa,
     "embedding": _embedding,
+    "index_put": _index_put,
+    "scatter_add": _scatter_add,
 }
 """Library implementation name -> builder of the call for a node."""
 
@@ -149,6 +177,10 @@ def library_name(node: Node) -> str | None:
     if node.kind == "conv" and len(node.attrs["stride"]) not in _CONV:
         return None
     if node.kind == "embedding" and node.outputs[0].type.rank < 1:
+        return None
+    if node.kind == "index_put" and any(v.dtype == DType.bool for v in node.inputs[2:]):
+        return None  # bool masks: the reference (kiln's mask semantics span several axes)
+    if node.kind == "scatter_add" and node.inputs[0].type.rank == 0:
         return None
     return name
 

@@ -396,7 +396,8 @@ def _scatter_add_infer(types, *, dim):
     return x
 
 
-@defop("scatter_add", infer=_scatter_add_infer, num_inputs=3, attrs={"dim": Attr("int")})
+@defop("scatter_add", infer=_scatter_add_infer, num_inputs=3, attrs={"dim": Attr("int")},
+       impls={"generated": True, "library": "scatter_add"})
 def scatter_add(x, index, src, *, dim):
     """``out = x; out[index[i][j]][j] += src[i][j]`` for ``dim=0`` (torch.scatter_add);
     repeated indices accumulate."""
@@ -556,7 +557,8 @@ def _index_put_infer(types, *, dims, accumulate=False):
 
 
 @defop("index_put", infer=_index_put_infer, num_inputs=(3, None),
-       attrs={"dims": Attr("ints"), "accumulate": Attr("bool", False)})
+       attrs={"dims": Attr("ints"), "accumulate": Attr("bool", False)},
+       impls={"generated": True, "library": "index_put"})
 def index_put(x, values, *indices, dims, accumulate=False):
     """``x`` with the positions ``index(x, *indices, dims)`` selects set to ``values``
     (broadcast), or incremented by them with ``accumulate`` (repeated positions add up)."""
