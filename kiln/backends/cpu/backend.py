@@ -285,8 +285,8 @@ def _load(path: Any, symbols: list[str | None], gemm: bool, micro: microgemm.Mic
     return lib, indexes
 
 
-_SEPARATE_KERNELS = os.environ.get("KILN_PROFILE_KERNELS") == "1"
-"""``KILN_PROFILE_KERNELS=1``: one native call per kernel, so ``plan.profile`` times each."""
+PROFILE_ENV_VAR = "KILN_PROFILE_KERNELS"
+"""Set to ``1`` at build time: one native call per kernel, so ``plan.profile`` times each."""
 
 
 def _bind_steps(gplan: GraphPlan, lib: Any, indexes: list[int | None]) -> list[Step]:
@@ -295,6 +295,7 @@ def _bind_steps(gplan: GraphPlan, lib: Any, indexes: list[int | None]) -> list[S
     steps: list[Step] = []
     run: list[tuple[int, tuple[int, ...], tuple[int, ...]]] = []
     labels: list[str] = []
+    separate = os.environ.get(PROFILE_ENV_VAR) == "1"
 
     def flush() -> None:
         if run:
@@ -311,7 +312,7 @@ def _bind_steps(gplan: GraphPlan, lib: Any, indexes: list[int | None]) -> list[S
                 args = op.args
                 run.append((index, tuple(pv.root().slot for pv in args), tuple(pv.byte_offset for pv in args)))
                 labels.append(op.label)
-                if _SEPARATE_KERNELS:
+                if separate:
                     flush()
                 continue
             flush()

@@ -7,6 +7,7 @@ Not a test: numbers depend on the machine.
 
     python -m kiln.backends.cpu.measure                 # test models and GPT-2 small seq 128
     python -m kiln.backends.cpu.measure gpt2-small bert-base --runs 20 --threads 1
+    python -m kiln.backends.cpu.measure gpt2-small --profile   # where the time goes
 """
 
 from __future__ import annotations
@@ -126,16 +127,72 @@ graph @tiny(%x: f32[4], %y: f32[4]) {
         return (time.perf_counter() - t0) / repeats * 1e6
 
 
+PROFILE_CATEGORIES = (
+    ("GEMM (+ fused epilogue)", lambda step, label: "[gemm" in label),
+    ("convolution", lambda step, label: "conv" in label and step == "TorchStep"),
+    ("attention (torch SDPA)", lambda step, label: "scaled_dot_product_attention" in label),
+    ("normalization kernels", lambda step, label: "norm" in label and step == "NativeRunStep"),
+    ("other generated kernels", lambda step, label: step == "NativeRunStep"),
+    ("other library calls", lambda step, label: step == "TorchStep"),
+    ("copies, packing, views", lambda step, label: step in ("ContiguousStep", "PackStep", "ViewStep")),
+    ("releasing buffers", lambda step, label: step == "ReleaseStep"),
+)
+"""How :func:`profile_model` groups the calls of a plan (first matching category wins)."""
+
+
+def profile_model(name: str, repeat: int = 5) -> tuple[float, list[tuple[str, float, int]]]:
+    """Where one call of ``name`` spends its time: each kernel gets its own native call
+    (``KILN_PROFILE_KERNELS=1``), every call is timed (best of ``repeat``), and the times are
+    summed per :data:`PROFILE_CATEGORIES` entry.  Returns the total seconds and
+    ``(category, seconds, calls)`` rows, largest first."""
+    import os
+
+    import kiln
+    from kiln.backends.cpu.backend import PROFILE_ENV_VAR
+
+    model, args, kwargs = MODELS[name]()
+    previous = os.environ.get(PROFILE_ENV_VAR)
+    os.environ[PROFILE_ENV_VAR] = "1"
+    try:
+        compiled = kiln.compile(model, args, backend="cpu", example_kwargs=kwargs)
+    finally:
+        if previous is None:
+            os.environ.pop(PROFILE_ENV_VAR)
+        else:
+            os.environ[PROFILE_ENV_VAR] = previous
+    flat = [*compiled._check(compiled._flatten(args, kwargs)), *compiled.params]
+    with torch.no_grad():
+        timings = compiled.executable.plan.profile(flat, repeat=repeat)
+    totals: dict[str, list[float]] = {}
+    for label, seconds in timings:
+        step, _, what = label.partition(": ")
+        category = next((c for c, test in PROFILE_CATEGORIES if test(step, what)), "other")
+        entry = totals.setdefault(category, [0.0, 0])
+        entry[0] += seconds
+        entry[1] += 1
+    rows = sorted(((c, t, int(n)) for c, (t, n) in totals.items()), key=lambda r: -r[1])
+    return sum(t for _, t in timings), rows
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("models", nargs="*", default=["test-mlp", "test-resnet18", "test-cnn", "test-gpt2",
                                                       "test-bert", "gpt2-small"], choices=sorted(MODELS))
     parser.add_argument("--runs", type=int, default=30)
     parser.add_argument("--threads", type=int, default=None, help="torch and kiln threads (default: torch's)")
+    parser.add_argument("--profile", action="store_true", help="print where each model's time goes instead")
     ns = parser.parse_args(argv)
     warnings.filterwarnings("ignore")
     if ns.threads:
         torch.set_num_threads(ns.threads)
+    if ns.profile:
+        for name in ns.models:
+            total, rows = profile_model(name)
+            print(f"\n{name}: {total * 1e3:.2f} ms in plan calls ({torch.get_num_threads()} threads)")
+            print("| where | ms | share | calls |\n|---|---|---|---|")
+            for category, seconds, calls in rows:
+                print(f"| {category} | {seconds * 1e3:.2f} | {seconds / total:.0%} | {calls} |")
+        return
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     print(f"per-call overhead (3 tiny kernels): {call_overhead_us():.1f} us")
     print("| model | eager ms | kiln-cpu ms | speedup | compile s | memory plan |")
