@@ -355,8 +355,8 @@ def _saved_section(document: dict[str, Any]) -> list[str]:
             rows += [[workload, labels.get(name, name), policy, f"{count / 2**20:,.2f}"] for policy, count in by_policy.items()]
     return ["## Activations saved for the backward (MB)", "",
             ("kiln: `split_joint(...).saved_bytes` of the step's joint graph under each autodiff policy (the "
-             "compiled step keeps what `save-all` saves); eager: distinct storages autograd saves in one forward "
-             "(parameters and inputs excluded)."), "",
+             "compiled steps' own planned peaks are in their notes); eager: distinct storages autograd saves in "
+             "one forward (parameters and inputs excluded)."), "",
             *_table(["workload", "system", "policy", "MB"], rows), ""]
 
 

@@ -11,8 +11,12 @@ timing rounds, statistics, ratios, the report -- and differs only in what one ca
   torch builds it); ``optimizer.step()`` and ``zero_grad()`` stay eager.
 * ``kiln`` / ``kiln-cpu``: :func:`kiln.compile_train` with kiln's default backend
   (``kiln.backends.DEFAULT_BACKEND``, or ``--kiln-backend``) / with the ``cpu`` backend when
-  ``available_backends()`` lists it: forward, kiln's own backward and the AdamW update in one
-  graph.
+  ``available_backends()`` lists it and differs from ``kiln``'s: forward, kiln's own
+  backward and the AdamW update in one graph, every forward value the backward reads kept
+  alive until its last use.
+* ``kiln-remat``: the same as ``kiln`` with ``compile_train(..., remat=True)``: cheap forward
+  values are recomputed in the backward (the ``remat`` pass), so the memory plan can reuse
+  their buffers.
 
 Every system trains its own deep copy of the model with its own ``AdamW(lr=1e-3)``, so all
 start from the same weights; ``max rel err`` compares a system's first-step loss (the loss
@@ -20,13 +24,16 @@ before any update) with eager's.  The models run in training mode; GPT-2's dropo
 probabilities are 0 so that every system computes the same function (kiln rejects random
 dropout in training mode).
 
-Activation memory: for each kiln system the joint graph of the step is rebuilt from the
-captured forward (:func:`kiln.passes.autodiff.grad_graph`, the parameters the step updates as
-``wrt``) and cut with :func:`~kiln.passes.autodiff.split_joint` under ``save-all`` and
-``remat``; ``saved_bytes`` of both are reported.  ``compile_train`` has no remat switch: the
-compiled step is one graph, and keeps what ``save-all`` would save.  For eager, the bytes of
-the distinct tensor storages autograd saves during one forward (``saved_tensors_hooks``;
-parameters, their views and the inputs excluded) are reported beside them.
+Activation memory: for each kiln system without remat the joint graph of the step is rebuilt
+from the captured forward (:func:`kiln.passes.autodiff.grad_graph`, the parameters the step
+updates as ``wrt``) and cut with :func:`~kiln.passes.autodiff.split_joint` under ``save-all``
+and ``remat``; ``saved_bytes`` of both are reported.  The compiled step itself is one graph: each
+kiln system's notes give its planned peak (the backend's memory-plan arena, when the backend
+plans memory) and, for ``kiln-remat``, how many nodes the ``remat`` pass recomputes.  The
+cpu backend allocates that arena once, at the first call, so it counts in ``held MB``
+rather than in the per-call ``run peak MB``.  For eager, the bytes of the distinct tensor
+storages autograd saves during one forward (``saved_tensors_hooks``; parameters, their views
+and the inputs excluded) are reported beside them.
 """
 
 from __future__ import annotations
@@ -70,7 +77,7 @@ from .report import (
 from .systems import Inputs, Prepared, System, describe_error, first_array
 
 TRAIN_SCHEMA = SCHEMA.replace("bench", "bench-train")
-TRAIN_SYSTEM_NAMES = ("eager", "inductor", "kiln", "kiln-cpu")
+TRAIN_SYSTEM_NAMES = ("eager", "inductor", "kiln", "kiln-remat", "kiln-cpu")
 LEARNING_RATE = 1e-3
 
 
@@ -271,14 +278,17 @@ class InductorTrain(TrainSystem):
 
 
 class KilnTrain(TrainSystem):
-    def __init__(self, backend: str, name: str):
+    """:func:`kiln.compile_train` on ``backend``, with rematerialization when ``remat``."""
+
+    def __init__(self, backend: str, name: str, *, remat: bool = False):
         self.backend = backend
-        self.name, self.label = name, f"kiln ({backend})"
+        self.remat = remat
+        self.name, self.label = name, f"kiln ({backend}{', remat' if remat else ''})"
 
     def version(self) -> str:
         import kiln
 
-        return f"{kiln.__version__}, backend {self.backend}"
+        return f"{kiln.__version__}, backend {self.backend}{', remat=True' if self.remat else ''}"
 
     def build_step(self, task: TrainingTask, optimizer: torch.optim.Optimizer, args: Inputs
                    ) -> tuple[Callable[[], torch.Tensor], list[str]]:
@@ -287,11 +297,24 @@ class KilnTrain(TrainSystem):
         start = time.perf_counter()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            train_step = kiln.compile_train(task.model, task.loss_fn, optimizer, args, backend=self.backend)
+            train_step = kiln.compile_train(task.model, task.loss_fn, optimizer, args, backend=self.backend,
+                                            remat=self.remat)
         compile_s = time.perf_counter() - start
-        self.saved_for_backward = planned_saved_bytes(train_step)
-        notes = [f"compile {compile_s:.2f} s, {train_step.stats['nodes']} nodes", "compiled step saves as save-all"]
-        return (lambda: train_step(*args)), notes
+        if not self.remat:  # split_joint's figures do not depend on the switch: report them once
+            self.saved_for_backward = planned_saved_bytes(train_step)
+        return (lambda: train_step(*args)), [f"compile {compile_s:.2f} s", *step_notes(train_step.stats)]
+
+
+def step_notes(stats: dict[str, Any]) -> list[str]:
+    """Report notes from :attr:`kiln.compiler.train.TrainStep.stats`: graph size, planned
+    peak (when the backend plans memory) and recomputed nodes (with ``remat=True``)."""
+    notes = [f"{stats['nodes']} nodes"]
+    if stats.get("planned_peak_bytes") is not None:
+        notes.append(f"planned peak {stats['planned_peak_bytes'] / 2**20:.2f} MiB "
+                     f"(all intermediates {stats['planned_total_bytes'] / 2**20:.2f} MiB)")
+    if stats.get("remat"):
+        notes.append(f"{stats['recomputed_nodes']} nodes recomputed")
+    return notes
 
 
 def planned_saved_bytes(train_step: Any) -> dict[str, int]:
@@ -306,8 +329,8 @@ def planned_saved_bytes(train_step: Any) -> dict[str, int]:
 def make_train_systems(names: list[str] | None = None, *, kiln_backend: str | None = None) -> list[TrainSystem]:
     """The named training systems (default: all that apply), in canonical order.
 
-    ``kiln`` uses ``kiln_backend`` or kiln's default backend; ``kiln-cpu`` the ``cpu`` backend,
-    only when it is registered and differs from ``kiln``'s."""
+    ``kiln`` and ``kiln-remat`` use ``kiln_backend`` or kiln's default backend; ``kiln-cpu``
+    the ``cpu`` backend, only when it is registered and differs from ``kiln``'s."""
     from kiln.backends import DEFAULT_BACKEND, available_backends
 
     unknown = sorted(set(names or ()) - set(TRAIN_SYSTEM_NAMES))
@@ -324,6 +347,8 @@ def make_train_systems(names: list[str] | None = None, *, kiln_backend: str | No
             systems.append(InductorTrain())
         elif name == "kiln":
             systems.append(KilnTrain(default_backend, "kiln"))
+        elif name == "kiln-remat":
+            systems.append(KilnTrain(default_backend, "kiln-remat", remat=True))
         elif "cpu" in available_backends() and default_backend != "cpu":
             systems.append(KilnTrain("cpu", "kiln-cpu"))
     return systems

@@ -10,7 +10,8 @@ How it is built: the model and the loss are exported together (a wrapper module 
 ``loss_fn(model(*inputs), *targets)``), captured into one kiln graph, optionally rewritten
 by the ``amp`` pass, differentiated by :func:`kiln.passes.autodiff.grad_graph`, and the
 optimizer's update is appended in IR (:func:`kiln.passes.optim.append_optimizer`).  The
-optional ``passes`` then see the whole step, update included, and the backend builds it.
+optional ``passes`` then see the whole step, update included; with ``remat=True`` the
+``remat`` pass (:func:`kiln.passes.remat.rematerialize`) runs next, and the backend builds it.
 
 Guarantees of the returned :class:`TrainStep`:
 
@@ -32,6 +33,12 @@ Guarantees of the returned :class:`TrainStep`:
   master weights (see :mod:`kiln.passes.amp`).  float16 adds dynamic loss scaling: a step
   whose gradients overflow is skipped (params and state unchanged) and halves the scale;
   ``step.loss_scale`` and ``step.scaler`` expose it.
+* ``remat=True`` recomputes cheap forward values (elementwise, view, copy ops; a minimum
+  cut as in ``split_joint(policy="remat")``) in the backward instead of keeping them alive
+  from the forward, so the backend's liveness-based memory plan reuses their buffers; same
+  losses and updates as the default ``remat=False``.  ``step.stats`` reports
+  ``recomputed_nodes`` and, when the backend plans memory (``cpu``), ``planned_peak_bytes``
+  (the arena) and ``planned_total_bytes`` (all intermediates).
 * Inputs are checked against the example inputs (shapes, dtypes) before anything runs.
 """
 
@@ -55,6 +62,7 @@ from kiln.passes.amp import (
 )
 from kiln.passes.autodiff import grad_graph
 from kiln.passes.optim import GroupSpec, UpdateLayout, append_optimizer
+from kiln.passes.remat import rematerialize
 from kiln.runtime import InputMismatchError, tensor_type
 
 from . import capture as capture_mod
@@ -81,7 +89,7 @@ def compile_train(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor],
                   optimizer: torch.optim.Optimizer, example_inputs: Any, *,
                   num_targets: int | None = None, amp: str | None = None,
                   scaler: LossScaler | None = None, backend: str | Backend = DEFAULT_BACKEND,
-                  passes: Any = None, **options: Any) -> TrainStep:
+                  passes: Any = None, remat: bool = False, **options: Any) -> TrainStep:
     """Compile one training step of ``model`` (see the module docstring).
 
     Args:
@@ -96,6 +104,8 @@ def compile_train(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor],
             ``torch.amp.GradScaler``'s defaults); given with another ``amp`` (or none) it
             turns loss scaling on there too.
         backend, passes, **options: as for :func:`kiln.compile`.
+        remat: recompute cheap forward values in the backward (after ``passes``) so the
+            memory plan can reuse their buffers; same results, lower planned peak.
     """
     kind = _optimizer_kind(optimizer)
     args = as_args(example_inputs)
@@ -118,7 +128,7 @@ def compile_train(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor],
     if scaler is None and low == DType.float16:
         scaler = LossScaler()
     return TrainStep(graph, live, captured.input_positions, args, optimizer, kind, scaler,
-                     backend_impl, options, resolve_passes(passes))
+                     backend_impl, options, resolve_passes(passes), remat=bool(remat))
 
 
 class TrainStep:
@@ -127,13 +137,14 @@ class TrainStep:
     Attributes: ``graph`` (the whole step as one kiln graph, update included), ``layout``
     (where the optimizer's inputs and outputs are, :class:`kiln.passes.optim.UpdateLayout`),
     ``scaler`` (the float16 :class:`~kiln.passes.amp.LossScaler`, else ``None``),
-    ``loss_scale``, ``stats``.
+    ``loss_scale``, ``stats``, ``remat`` (whether the ``remat`` pass runs) and
+    ``recomputed_nodes`` (how many clones it inserted in the current step graph).
     """
 
     def __init__(self, forward: Graph, live: dict[str, torch.Tensor], input_positions: Sequence[int],
                  example_args: tuple[Any, ...], optimizer: torch.optim.Optimizer, kind: str,
                  scaler: LossScaler | None, backend: Backend, options: dict[str, Any],
-                 transform: Callable[[Graph], Graph] | None):
+                 transform: Callable[[Graph], Graph] | None, *, remat: bool = False):
         self.forward_graph = forward
         self.live = live
         self.optimizer = optimizer
@@ -142,6 +153,8 @@ class TrainStep:
         self.backend = backend
         self.options = options
         self.transform = transform
+        self.remat = remat
+        self.recomputed_nodes = 0
         self._positions = list(input_positions)
         self._example = example_args
         self._name_of = {id(t): name for name, t in live.items()}
@@ -246,6 +259,8 @@ class TrainStep:
             if [v.name for v in step_graph.inputs] != names_before:
                 raise KilnError("kiln.compile_train: the passes changed the inputs of the training "
                                 "graph; passes must keep a graph's signature")
+        if self.remat:  # after the user's passes: their CSE would merge the clones back
+            step_graph, self.recomputed_nodes = rematerialize(step_graph, loss=layout.kept[0])
         self.graph, self.layout = step_graph, layout
         self._skip_output = layout.kept.get(skip) if skip is not None else None
         self._plan = self._input_plan(step_graph, layout, scale_name)
@@ -306,7 +321,10 @@ class TrainStep:
     # ------------------------------------------------------------- inspection
     @property
     def stats(self) -> dict[str, Any]:
+        """Counts of the current step graph and its build; ``planned_*_bytes`` are ``None``
+        when the backend reports no memory plan."""
         graph = self.graph
+        info = getattr(self._executable, "info", None) or {}
         return {
             "backend": self.backend.name,
             "nodes": len(graph.nodes) if graph is not None else 0,
@@ -314,6 +332,10 @@ class TrainStep:
             "calls": self._calls,
             "skipped_steps": self.skipped_steps,
             "loss_scale": self.loss_scale,
+            "remat": self.remat,
+            "recomputed_nodes": self.recomputed_nodes,
+            "planned_peak_bytes": info.get("arena_bytes"),
+            "planned_total_bytes": info.get("intermediate_bytes"),
         }
 
     def __repr__(self) -> str:

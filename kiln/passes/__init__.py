@@ -1,8 +1,8 @@
 """Graph passes: infrastructure, rewriting and optimizations.
 
 Importing this package registers the built-in passes (``dce``, ``cse``, ``fold``,
-``simplify``, ``canonicalize``, ``sink-views``, ``composites``, ``fuse``, ``amp``).  See
-``docs/passes.md`` (``amp``: ``docs/training.md``).
+``simplify``, ``canonicalize``, ``sink-views``, ``composites``, ``fuse``, ``amp``, ``remat``).
+See ``docs/passes.md`` (``amp``, ``remat``: ``docs/training.md``).
 """
 
 from kiln.passes.base import Pass, PassResult, get_pass, register_pass, registered_passes
@@ -32,7 +32,7 @@ from kiln.passes.pattern import (
 
 # Built-in passes register themselves on import.
 from kiln.passes import canonicalize, composites, cse, dce, fold, fusion, layout, simplify  # noqa: E402,F401  isort: skip
-from kiln.passes import amp  # noqa: E402,F401  (registers "amp")
+from kiln.passes import amp, remat  # noqa: E402,F401  (register "amp", "remat")
 from kiln.passes.pipeline import DEFAULT_PIPELINE, default_pipeline  # noqa: E402
 
 

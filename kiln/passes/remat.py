@@ -1,8 +1,17 @@
 """Rematerialization: which forward nodes the backward should recompute instead of saving.
 
-Used by :func:`kiln.passes.autodiff.split_joint` with ``policy="remat"``.  The choice is a
-minimum s-t cut (as in AOTAutograd's partitioner) over the forward nodes the backward
-depends on:
+Two users of one choice (:func:`choose_recomputation`):
+
+* :func:`kiln.passes.autodiff.split_joint` with ``policy="remat"`` moves the chosen nodes
+  into the backward graph of a forward/backward pair;
+* the registered pass ``remat`` (:class:`Rematerialize`, :func:`rematerialize`) works inside
+  one joint graph (forward, loss, backward and optimizer update, as built by
+  :func:`kiln.compile_train`): it inserts a clone of each chosen node right before its first
+  backward use and rewires every backward use to the clone, so the original forward value
+  dies after its last forward use and a liveness-based memory plan reuses its buffer.
+
+The choice is a minimum s-t cut (as in AOTAutograd's partitioner) over the forward nodes
+the backward depends on:
 
 * each forward node is split into ``in -> out`` with capacity ``BIG * bytes(results)``
   (cutting it = saving its results);
@@ -13,16 +22,17 @@ depends on:
 ``BIG`` exceeds the number of nodes, so the cut minimizes saved bytes first and the number
 of recomputed nodes second.  Graph inputs, params and constants are always available to the
 backward at no cost.  Recomputable: elementwise, view, pointwise and creation ops and the
-copy-only layout ops (cat, pad, flip, tril, triu, repeat).
+copy-only layout ops (cat, pad, flip, tril, triu, repeat, cast); ``fused`` nodes are not.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import ClassVar
 
-import networkx as nx
-
-from kiln.ir import Node, Value
+from kiln.ir import Graph, KilnError, Node, Value
+from kiln.passes.base import Pass, PassResult, register_pass
 
 COPY_OPS = frozenset({"cat", "pad", "flip", "tril", "triu", "repeat", "cast"})
 RECOMPUTABLE_TRAITS = frozenset({"elementwise", "view", "pointwise", "creation"})
@@ -37,7 +47,13 @@ def is_recomputable(node: Node) -> bool:
 
 def choose_recomputation(forward: Sequence[Node], backward: Sequence[Node],
                          grads: Sequence[Value]) -> set[Node]:
-    """Forward nodes to recompute in the backward so the saved bytes are minimal."""
+    """Forward nodes to recompute in the backward so the saved bytes are minimal.
+
+    ``grads`` are values read after the backward (its outputs).  Values produced outside
+    ``forward`` count as always available: they are never recomputed and cost nothing.
+    """
+    import networkx as nx  # imported on first use: most programs never rematerialize
+
     in_forward = set(forward)
     read = {v for n in backward for v in n.inputs} | set(grads)
     needed = {v for v in read if v.kind == "result" and v.producer in in_forward}
@@ -90,4 +106,96 @@ def _required(needed: set[Value], recomputed: set[Node]) -> set[Node]:
     return keep
 
 
-__all__ = ["COPY_OPS", "RECOMPUTABLE_TRAITS", "choose_recomputation", "is_recomputable"]
+# ------------------------------------------------------------------- inside one joint graph
+def rematerialize(graph: Graph, *, loss: int = 0) -> tuple[Graph, int]:
+    """Recompute cheap forward values inside a joint graph; returns ``(graph, recomputed)``.
+
+    The forward part is every node the output ``loss`` depends on; every other node is
+    backward (gradients, optimizer update).  :func:`choose_recomputation` picks forward nodes
+    to recompute; each gets one clone (results named ``remat.<name>``), placed right before
+    its first backward use with the clones it reads before it, and every backward use reads
+    the clone.  Forward nodes producing a graph output are never cloned: their results stay
+    alive to the end anyway.
+
+    Guarantees: the input graph is not modified; the result has the same inputs, params and
+    outputs, computes the same values and keeps nodes in a valid (topological) order;
+    ``recomputed`` is the number of clones; with nothing worth recomputing the input graph
+    itself is returned with ``0``.
+    """
+    if not 0 <= loss < len(graph.outputs):
+        raise KilnError(f"remat: graph @{graph.name} has {len(graph.outputs)} outputs, so loss={loss} "
+                        "names none; give the index of the output the forward part computes")
+    g = graph.clone()
+    loss_value = g.outputs[loss]
+    roots = {loss_value.producer} if loss_value.kind == "result" else set()
+    forward_set = _ancestors_within(roots, set(g.nodes))
+    outputs = set(g.outputs)
+    forward = [n for n in g.nodes if n in forward_set and not outputs.intersection(n.outputs)]
+    backward = [n for n in g.nodes if n not in forward_set]
+    recompute = choose_recomputation(forward, backward, ())
+    if not recompute:
+        return graph, 0
+    clones: dict[Value, Value] = {}
+    taken = {v.name for v in g.values()}
+    order: list[Node] = []
+    for node in list(g.nodes):  # clones are appended to g.nodes; ``order`` is the final order
+        if node not in forward_set:
+            for value in node.inputs:
+                if value.kind == "result" and value.producer in recompute and value not in clones:
+                    order += _clone_with_operands(g, value.producer, recompute, clones, taken)
+            node.inputs = tuple(clones.get(v, v) for v in node.inputs)
+        order.append(node)
+    g.nodes = order
+    return g, len(order) - len(graph.nodes)
+
+
+def _clone_with_operands(graph: Graph, node: Node, recompute: set[Node], clones: dict[Value, Value],
+                         taken: set[str]) -> list[Node]:
+    """Clones of ``node`` and of the recomputed nodes it reads that have none yet, operands
+    first; ``clones`` maps each original result to its clone's."""
+    made: list[Node] = []
+    stack: list[tuple[Node, bool]] = [(node, False)]
+    while stack:
+        current, operands_done = stack.pop()
+        if current.outputs[0] in clones:
+            continue
+        if not operands_done:
+            stack.append((current, True))
+            stack.extend((v.producer, False) for v in current.inputs
+                         if v.kind == "result" and v.producer in recompute and v not in clones)
+            continue
+        names = [_clone_name(v.name, taken) for v in current.outputs]
+        copy = graph.add_node(current.op, [clones.get(v, v) for v in current.inputs], current.attrs,
+                              names=names, loc=current.loc)
+        clones.update(zip(current.outputs, copy.outputs))
+        made.append(copy)
+    return made
+
+
+def _clone_name(name: str, taken: set[str]) -> str:
+    # a prefix, not a suffix: numeric names ("8") take no suffix ("8.remat" is not a name)
+    candidate, n = f"remat.{name}", 1
+    while candidate in taken:
+        candidate, n = f"remat{n}.{name}", n + 1
+    taken.add(candidate)
+    return candidate
+
+
+@register_pass
+@dataclass(frozen=True)
+class Rematerialize(Pass):
+    """``remat``: :func:`rematerialize` as a pass; ``loss`` is the index of the output whose
+    ancestors form the forward part (pipeline text ``remat`` or ``remat{loss=1}``).
+
+    Run it after CSE: CSE would merge each clone back into its original."""
+
+    name: ClassVar[str] = "remat"
+    loss: int = 0
+
+    def run(self, graph: Graph) -> PassResult:
+        result, recomputed = rematerialize(graph, loss=self.loss)
+        return PassResult(result, recomputed > 0)
+
+
+__all__ = ["COPY_OPS", "RECOMPUTABLE_TRAITS", "Rematerialize", "choose_recomputation", "is_recomputable",
+           "rematerialize"]
