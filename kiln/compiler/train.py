@@ -10,8 +10,10 @@ How it is built: the model and the loss are exported together (a wrapper module 
 ``loss_fn(model(*inputs), *targets)``), captured into one kiln graph, optionally rewritten
 by the ``amp`` pass, differentiated by :func:`kiln.passes.autodiff.grad_graph`, and the
 optimizer's update is appended in IR (:func:`kiln.passes.optim.append_optimizer`).  The
-optional ``passes`` then see the whole step, update included; with ``remat=True`` the
-``remat`` pass (:func:`kiln.passes.remat.rematerialize`) runs next, and the backend builds it.
+``passes`` (by default kiln's default pipeline, fusion included) then see the whole step,
+update included; with ``remat=True`` the ``remat`` pass
+(:func:`kiln.passes.remat.rematerialize`) runs after them (with the default pipeline: before
+its fusion), and the backend builds the result.
 
 Guarantees of the returned :class:`TrainStep`:
 
@@ -89,7 +91,7 @@ def compile_train(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor],
                   optimizer: torch.optim.Optimizer, example_inputs: Any, *,
                   num_targets: int | None = None, amp: str | None = None,
                   scaler: LossScaler | None = None, backend: str | Backend = DEFAULT_BACKEND,
-                  passes: Any = None, remat: bool = False, **options: Any) -> TrainStep:
+                  passes: Any = "default", remat: bool = False, **options: Any) -> TrainStep:
     """Compile one training step of ``model`` (see the module docstring).
 
     Args:
@@ -103,9 +105,12 @@ def compile_train(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor],
         scaler: the :class:`~kiln.passes.amp.LossScaler` for float16 (default:
             ``torch.amp.GradScaler``'s defaults); given with another ``amp`` (or none) it
             turns loss scaling on there too.
-        backend, passes, **options: as for :func:`kiln.compile`.
-        remat: recompute cheap forward values in the backward (after ``passes``) so the
-            memory plan can reuse their buffers; same results, lower planned peak.
+        backend, passes, **options: as for :func:`kiln.compile` (``"default"``: the default
+            pipeline, fusion included, over the whole step).
+        remat: recompute cheap forward values in the backward so the memory plan can reuse
+            their buffers; same results, lower planned peak.  It runs after ``passes``; with
+            the default pipeline, between its clean-ups and its fusion, so the recomputations
+            fuse into the backward kernels that read them.
     """
     kind = _optimizer_kind(optimizer)
     args = as_args(example_inputs)
@@ -128,7 +133,17 @@ def compile_train(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor],
     if scaler is None and low == DType.float16:
         scaler = LossScaler()
     return TrainStep(graph, live, captured.input_positions, args, optimizer, kind, scaler,
-                     backend_impl, options, resolve_passes(passes), remat=bool(remat))
+                     backend_impl, options, *_step_transforms(passes, bool(remat)), remat=bool(remat))
+
+
+def _step_transforms(passes: Any, remat: bool) -> tuple[Any, Any]:
+    """The transforms before and after the ``remat`` pass: the default pipeline is split
+    before its fusion (fused kernels would hide the cheap values remat recomputes)."""
+    if remat and isinstance(passes, str) and passes == "default":
+        from kiln.passes import default_pipeline
+
+        return resolve_passes(default_pipeline(fuse=False)), resolve_passes("fuse")
+    return resolve_passes(passes), None
 
 
 class TrainStep:
@@ -144,7 +159,8 @@ class TrainStep:
     def __init__(self, forward: Graph, live: dict[str, torch.Tensor], input_positions: Sequence[int],
                  example_args: tuple[Any, ...], optimizer: torch.optim.Optimizer, kind: str,
                  scaler: LossScaler | None, backend: Backend, options: dict[str, Any],
-                 transform: Callable[[Graph], Graph] | None, *, remat: bool = False):
+                 transform: Callable[[Graph], Graph] | None, after_remat: Callable[[Graph], Graph] | None = None,
+                 *, remat: bool = False):
         self.forward_graph = forward
         self.live = live
         self.optimizer = optimizer
@@ -153,6 +169,7 @@ class TrainStep:
         self.backend = backend
         self.options = options
         self.transform = transform
+        self.after_remat = after_remat
         self.remat = remat
         self.recomputed_nodes = 0
         self._positions = list(input_positions)
@@ -261,6 +278,8 @@ class TrainStep:
                                 "graph; passes must keep a graph's signature")
         if self.remat:  # after the user's passes: their CSE would merge the clones back
             step_graph, self.recomputed_nodes = rematerialize(step_graph, loss=layout.kept[0])
+            if self.after_remat is not None:
+                step_graph = self.after_remat(step_graph)
         self.graph, self.layout = step_graph, layout
         self._skip_output = layout.kept.get(skip) if skip is not None else None
         self._plan = self._input_plan(step_graph, layout, scale_name)

@@ -27,11 +27,13 @@ DEFAULT_PIPELINE = ",".join([
 
 
 def default_pipeline(*, verify: bool = True, fixpoint: bool = True, max_iterations: int = 4,
-                     **options) -> PassManager:
+                     fuse: bool = True, **options) -> PassManager:
     """The :class:`PassManager` that ``kiln.compile`` uses: :data:`DEFAULT_PIPELINE`,
-    repeated until nothing changes (at most ``max_iterations`` times).
+    repeated until nothing changes (at most ``max_iterations`` times); with ``fuse=False``
+    without its final ``fuse`` (for callers that rewrite the graph before fusing it).
 
     Extra keyword options go to :class:`PassManager` (e.g. ``dump_dir``).
     """
-    return PassManager(DEFAULT_PIPELINE, verify=verify, fixpoint=fixpoint,
+    text = DEFAULT_PIPELINE if fuse else DEFAULT_PIPELINE.removesuffix(",fuse")
+    return PassManager(text, verify=verify, fixpoint=fixpoint,
                        max_iterations=max_iterations, **options)
