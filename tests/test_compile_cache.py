@@ -164,7 +164,7 @@ def test_default_cache_dir_comes_from_the_environment(tmp_path, monkeypatch):
 def test_corrupted_shared_object_is_rebuilt(tmp_path):
     opts = {"cache_dir": str(tmp_path)}
     first = get_backend("cpu").build(fused_graph(), opts)
-    library = next(tmp_path.glob("*.so"))
+    library = next(tmp_path.glob(f"{first.info['cache_key']}.*.so"))  # the graph's, not the GEMM library
     # truncated on disk; a new inode, since truncating the loaded (mapped) file in place
     # would make this process fault when it touches the library's pages
     damaged = tmp_path / "damaged"

@@ -1,7 +1,11 @@
 """The public entry points: :func:`compile` and :func:`capture`.
 
-``kiln.compile(model, example_inputs)`` exports the model with ``torch.export`` and kiln's
-decomposition table, then
+``kiln.compile(model, example_inputs)`` first looks the model up in the capture cache
+(:mod:`kiln.compiler.capture_cache`; key: a fingerprint of the model's classes, attributes,
+parameter shapes and the example inputs, computed without tracing).  On a hit it parses
+the cached kiln graph, binds the live parameters and goes on to the passes.  Otherwise it
+exports the model with ``torch.export`` (decomposed only when kiln cannot lower the
+training IR as it is, see :func:`kiln.compiler.capture.export_program`), then
 
 * when kiln supports every ATen node: captures the whole program into one kiln graph, runs
   the optional ``passes`` over it and builds it with the backend;
@@ -10,6 +14,12 @@ decomposition table, then
   its supported partitions compiled by kiln and the rest in PyTorch, and warns once
   (:class:`~kiln.compiler.fallback.KilnFallbackWarning`), exactly as
   ``torch.compile(backend="kiln")`` does.
+
+The passes' result is cached too, keyed by the captured graph's text and the pipeline text.
+Caching assumes the forward's trace depends only on what the fingerprint sees (see
+:mod:`kiln.compiler.fingerprint`); turn it off with ``cache=False`` (a backend option of
+``"cpu"``) or ``KILN_CAPTURE_CACHE=0``.  ``compiled.stats["capture_cache"]`` and
+``["passes_cache"]`` say ``"hit"``, ``"miss"``, ``"off"`` or ``"uncacheable"``.
 
 Either way the result is a :class:`~kiln.runtime.CompiledModule`: called like the model,
 checks its inputs first, reads the model's live parameters at every call, and returns the
@@ -36,6 +46,7 @@ from kiln.runtime import CompiledModule, InputSlot, tensor_type
 
 from . import capture as capture_mod
 from .autograd import DifferentiableGraph, GradModeRunner, TrainableCompiledModule
+from .capture_cache import CaptureCache
 from .errors import CaptureError, UnsupportedOpError
 from .fallback import CompiledFx, GraphTransform, compile_fx, unsupported_nodes
 
@@ -60,7 +71,8 @@ def compile(model_or_function: torch.nn.Module | Callable[..., Any], example_inp
         strict: raise :class:`UnsupportedOpError` instead of running unsupported ops in
             PyTorch.
         example_kwargs: keyword arguments of the example call.
-        **options: options of the backend, e.g. ``float64=True`` for ``"reference"``.
+        **options: options of the backend, e.g. ``float64=True`` for ``"reference"``;
+            ``cache`` and ``cache_dir`` (``"cpu"``) also govern the capture cache.
     """
     module = as_module(model_or_function)
     args = as_args(example_inputs)
@@ -68,15 +80,27 @@ def compile(model_or_function: torch.nn.Module | Callable[..., Any], example_inp
     builder = get_backend(backend)
     builder.resolve_options(options)  # reject unknown options before the slow export
     transform = resolve_passes(passes)
-    ep = capture_mod.export_program(module, args, kwargs)
     name = _model_name(model_or_function)
+    cache = CaptureCache.for_options(options)
+    key = cache.capture_key(module, args, kwargs, name)
+    captured = cache.load_capture(key, module)
+    if captured is not None:
+        return _compile_whole(captured, args, kwargs, builder, options, transform, name, cache, "hit")
+    ep = capture_mod.export_program(module, args, kwargs)
+    state = "miss" if key is not None else ("uncacheable" if cache.enabled else "off")
     if strict:  # capture raises the first unsupported node's UnsupportedOpError
-        return _compile_whole(ep, args, kwargs, builder, options, transform, name)
+        captured = capture_mod.capture_program(ep, name=name)
+        cache.store_capture(key, captured)
+        return _compile_whole(captured, args, kwargs, builder, options, transform, name, cache, state)
     if not unsupported_nodes(ep.graph_module):
         try:
-            return _compile_whole(ep, args, kwargs, builder, options, transform, name)
+            captured = capture_mod.capture_program(ep, name=name)
         except (UnsupportedOpError, CaptureError):
             pass  # e.g. an in-place buffer update, which the fallback runner applies
+        else:
+            cache.store_capture(key, captured)
+            return _compile_whole(captured, args, kwargs, builder, options, transform, name, cache, state)
+    ep = capture_mod.decompose_program(ep)  # the fallback runs the functional, decomposed program
     return _compile_with_fallback(module, ep, args, kwargs, builder, options, transform, name)
 
 
@@ -162,40 +186,78 @@ def resolve_passes(passes: Any) -> GraphTransform | None:
         raise TypeError(f"passes must be pipeline text, a list of passes or an object with .run(graph); "
                         f"got {type(passes).__name__}")
 
-    def transform(graph: Graph) -> Graph:
-        result = run(graph)
+    return PassTransform(run, _pipeline_identity(passes))
+
+
+class PassTransform:
+    """A resolved ``passes`` argument: called on a graph, returns the transformed graph.
+
+    ``identity`` is the pipeline as text (with its iteration options) when its result is a
+    function of the input graph and that text alone -- a :class:`PassManager` of registered
+    passes without an IR dump folder -- so results can be cached; ``None`` otherwise.
+    """
+
+    def __init__(self, run: Callable[[Graph], Any], identity: str | None):
+        self._run = run
+        self.identity = identity
+
+    def __call__(self, graph: Graph) -> Graph:
+        result = self._run(graph)
         return result if isinstance(result, Graph) else result.graph
 
-    return transform
+
+def _pipeline_identity(passes: Any) -> str | None:
+    from kiln.passes.base import Pass
+    from kiln.passes.manager import PassManager
+
+    if not isinstance(passes, PassManager) or passes.dump_dir is not None:
+        return None
+    if not all(isinstance(p, Pass) for p in passes.passes):
+        return None
+    return f"{passes.spec()} fixpoint={passes.fixpoint} max_iterations={passes.max_iterations}"
 
 
 # ------------------------------------------------------------------ pipelines
 
 
-def _flat_user_inputs(ep: ExportedProgram, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+def _flat_user_inputs(in_spec: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
     """The example ``(args, kwargs)`` flattened as the exported program's ``in_spec`` orders them."""
-    in_spec = ep.call_spec.in_spec
     order = tuple(in_spec.children()[1].context or ()) if in_spec is not None else tuple(kwargs)
     return pytree.tree_leaves((args, {k: kwargs[k] for k in order}))
 
 
-def _input_slots(ep: ExportedProgram, args: tuple[Any, ...], kwargs: dict[str, Any],
+def _user_input_names(ep: ExportedProgram) -> list[str]:
+    return [s.arg.name for s in ep.graph_signature.input_specs if s.kind == InputKind.USER_INPUT]
+
+
+def _input_slots(names: Sequence[str], in_spec: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
                  tensor_types: Mapping[int, Any]) -> list[InputSlot]:
     """One slot per flattened user input; ``tensor_types`` maps flat positions of tensors to
     their expected types, every other input is a specialized constant."""
-    names = [s.arg.name for s in ep.graph_signature.input_specs if s.kind == InputKind.USER_INPUT]
-    flat = _flat_user_inputs(ep, args, kwargs)
+    flat = _flat_user_inputs(in_spec, args, kwargs)
     if len(names) != len(flat):
         names = [f"input{i}" for i in range(len(flat))]
     return [InputSlot(name, tensor_types[i]) if i in tensor_types else InputSlot(name, None, value)
             for i, (name, value) in enumerate(zip(names, flat))]
 
 
-def _compile_whole(ep: ExportedProgram, args: tuple[Any, ...], kwargs: dict[str, Any], backend: Backend,
-                   options: dict[str, Any], transform: GraphTransform | None,
-                   name: str) -> CompiledModule:
-    captured = capture_mod.capture_program(ep, name=name)  # raises on the first unsupported op
-    graph = transform(captured.graph) if transform is not None else captured.graph
+def _optimized(graph: Graph, transform: GraphTransform | None, cache: CaptureCache) -> tuple[Graph, str]:
+    """``transform(graph)``, from the capture cache when it holds the result; and whether it did."""
+    if transform is None:
+        return graph, "off"
+    key = cache.passes_key(str(graph), getattr(transform, "identity", None))
+    cached = cache.load_optimized(key)
+    if cached is not None:
+        return cached, "hit"
+    result = transform(graph)
+    cache.store_optimized(key, result)
+    return result, "miss" if key is not None else "off"
+
+
+def _compile_whole(captured: capture_mod.Captured, args: tuple[Any, ...], kwargs: dict[str, Any],
+                   backend: Backend, options: dict[str, Any], transform: GraphTransform | None,
+                   name: str, cache: CaptureCache, capture_state: str) -> CompiledModule:
+    graph, passes_state = _optimized(captured.graph, transform, cache)
     missing = [v.name for v in graph.params if v.name not in captured.params]
     if missing:
         raise KilnError(f"kiln internal error: graph @{graph.name} names params {missing} the capture "
@@ -203,16 +265,17 @@ def _compile_whole(ep: ExportedProgram, args: tuple[Any, ...], kwargs: dict[str,
     if len(graph.inputs) != len(captured.input_positions):
         raise KilnError(f"kiln internal error: the passes changed the inputs of graph @{graph.name}")
     types = dict(zip(captured.input_positions, (v.type for v in graph.inputs)))
-    slots = _input_slots(ep, args, kwargs, types)
+    slots = _input_slots(captured.user_input_names, captured.in_spec, args, kwargs, types)
     executable = backend.build(graph, options)
     if [v.name for v in graph.params] != [v.name for v in captured.graph.params]:
         raise KilnError(f"kiln internal error: the passes reordered the params of graph @{graph.name}")
     params = [captured.params[v.name] for v in graph.params]
     differentiable = DifferentiableGraph(captured.graph, executable, backend, options, transform)
     return TrainableCompiledModule(differentiable, executable, inputs=slots, params=params,
-                                   in_spec=ep.call_spec.in_spec, out_spec=ep.call_spec.out_spec,
+                                   in_spec=captured.in_spec, out_spec=captured.out_spec,
                                    graphs=[graph], backend=backend.name, name=name,
-                                   info={"fallback_ops": {}, "torch_nodes": 0})
+                                   info={"fallback_ops": {}, "torch_nodes": 0, "capture_cache": capture_state,
+                                         "passes_cache": passes_state})
 
 
 def _state_tensor(module: torch.nn.Module, ep: ExportedProgram, target: str) -> torch.Tensor:
@@ -266,7 +329,7 @@ def _compile_with_fallback(module: torch.nn.Module, ep: ExportedProgram, args: t
     user_positions = [i for i, s in enumerate(specs) if s.kind == InputKind.USER_INPUT]
     param_positions = [i for i, s in enumerate(specs) if s.kind != InputKind.USER_INPUT]
     params = [_state_tensor(module, ep, specs[i].target) for i in param_positions]
-    flat = _flat_user_inputs(ep, args, kwargs)
+    flat = _flat_user_inputs(ep.call_spec.in_spec, args, kwargs)
     example: list[Any] = [None] * len(specs)
     for pos, value in zip(user_positions, flat):
         example[pos] = value
@@ -274,8 +337,8 @@ def _compile_with_fallback(module: torch.nn.Module, ep: ExportedProgram, args: t
         example[pos] = tensor
     compiled = compile_fx(ep.graph_module, example, param_indices=frozenset(param_positions),
                           backend=backend, options=options, strict=False, transform=transform, name=name)
-    slots = _input_slots(ep, args, kwargs, {i: tensor_type(v) for i, v in enumerate(flat)
-                                            if isinstance(v, torch.Tensor)})
+    slots = _input_slots(_user_input_names(ep), ep.call_spec.in_spec, args, kwargs,
+                         {i: tensor_type(v) for i, v in enumerate(flat) if isinstance(v, torch.Tensor)})
     out_specs = ep.graph_signature.output_specs
     user_outputs = [i for i, s in enumerate(out_specs) if s.kind == OutputKind.USER_OUTPUT]
     mutated = [(i, _state_tensor(module, ep, s.target)) for i, s in enumerate(out_specs)

@@ -240,4 +240,4 @@ def rule_for(target: Any) -> AtenRule | None:
     return ATEN_TABLE.get(target)
 
 
-from . import aten_layout, aten_math, aten_nn  # noqa: E402,F401  (register the rules)
+from . import aten_inplace, aten_layout, aten_math, aten_nn  # noqa: E402,F401  (register the rules)

@@ -97,7 +97,8 @@ for _aten_name, _kiln_name in _BINARY.items():
     _overloads = ("other",) if _aten_name in ("max", "min") else _BINARY_OVERLOADS
     lowers(*optional_ops(*(f"{_aten_name}.{o}" for o in _overloads)))(_binary_rule(_kiln_name))
 for _aten_name, _kiln_name in (("bitwise_and", "logical_and"), ("bitwise_or", "logical_or"),
-                               ("bitwise_xor", "logical_xor")):
+                               ("bitwise_xor", "logical_xor"), ("__and__", "logical_and"),
+                               ("__or__", "logical_or"), ("__xor__", "logical_xor")):
     lowers(*optional_ops(f"{_aten_name}.Tensor", f"{_aten_name}.Scalar"),
            check=_bool_only)(_binary_rule(_kiln_name))
 
@@ -182,6 +183,23 @@ def _clamp(ctx: LoweringContext, x: Value, *bounds: Any) -> Value:
 def _leaky_relu(ctx: LoweringContext, x: Value, negative_slope: float = 0.01) -> Value:
     positive = ctx.op("gt", x, ctx.scalar(0, x.dtype))
     return ctx.op("where", positive, x, ctx.op("mul", x, ctx.scalar(negative_slope, x.dtype)))
+
+
+@lowers(aten.diff.default)
+def _diff(ctx: LoweringContext, x: Value, n: int = 1, dim: int = -1, prepend: Value | None = None,
+          append: Value | None = None) -> Value:
+    """``n``-th forward difference along ``dim`` (``!=`` for bool, as torch does)."""
+    dim = dim % x.type.rank
+    parts = [v for v in (prepend, x, append) if v is not None]
+    if len(parts) > 1:
+        dtype = ctx.out.dtype
+        x = ctx.op("cat", *(ctx.cast(v, dtype) for v in parts), dim=dim)
+    for _ in range(n):
+        length = int(x.shape[dim])
+        later = ctx.op("slice", x, dim=dim, start=1, end=length, step=1)
+        earlier = ctx.op("slice", x, dim=dim, start=0, end=length - 1, step=1)
+        x = ctx.op("ne" if x.dtype == DType.bool else "sub", later, earlier)
+    return x
 
 
 # ------------------------------------------------------------ casts, identities

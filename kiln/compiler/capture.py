@@ -3,11 +3,23 @@
 Entry points:
 
 * :func:`capture` -- ``nn.Module`` + example inputs -> :class:`Captured` (export, decompose
-  with :func:`decomposition_table`, lower);
-* :func:`capture_program` -- a decomposed ``torch.export.ExportedProgram`` -> ``Captured``;
+  only if needed, lower);
+* :func:`export_program` -- ``torch.export`` of a module: the training IR itself when kiln
+  lowers every node of it, else the program decomposed with :func:`decomposition_table`;
+* :func:`capture_program` -- an ``ExportedProgram`` from ``export_program`` -> ``Captured``;
 * :func:`capture_fx` -- an ATen-level ``torch.fx.GraphModule`` whose placeholders are all
   tensors (the ``torch.compile`` path) -> ``Captured``;
-* :func:`is_supported` -- whether kiln lowers one FX node (the fallback partitioner's test).
+* :func:`is_supported` -- whether kiln lowers one FX node (the fallback partitioner's test,
+  :mod:`kiln.compiler.aten_support`).
+
+Why the decomposition is skipped when it can be: ``run_decompositions`` re-traces the whole
+program (on GPT-2 small it costs more than the export itself), and kiln's rules lower the
+training IR's high-level ops (``linear``, ``layer_norm``, ``conv2d``, ``batch_norm``,
+``scaled_dot_product_attention``, views, eval-mode ``dropout``...) directly.  In-place calls
+are lowered functionally only where that is provably unobservable
+(:mod:`kiln.compiler.aten_inplace`); any other in-place call, any mutation of inputs or
+buffers, and any op without a rule send the program through the decomposition, exactly as
+before.  The result is the same kiln graph semantics either way.
 
 Guarantees of a captured graph:
 
@@ -27,7 +39,6 @@ Guarantees of a captured graph:
 from __future__ import annotations
 
 import operator
-import os
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -40,14 +51,15 @@ from torch.utils import _pytree as pytree
 
 from kiln.ir import Graph, OpTypeError, TensorType, Value
 
-from .aten import (
-    IGNORED_OPS,
-    LoweringContext,
-    has_kiln_dtype,
-    kiln_dtype,
-    meta,
-    rule_for,
-    tensor_type,
+from .aten import IGNORED_OPS, LoweringContext, kiln_dtype, rule_for, tensor_type
+from .aten_support import (
+    bad_value,
+    bind_arguments,
+    describe_inputs,
+    describe_value,
+    is_supported,  # noqa: F401  (re-exported: the fallback partitioner's test)
+    source_location,
+    unsupported_reason,
 )
 from .errors import CaptureError, UnsupportedOpError
 
@@ -82,12 +94,66 @@ def decomposition_table() -> dict[Any, Any]:
     return dict(table.items())
 
 
-def export_program(model: torch.nn.Module, args: tuple, kwargs: dict | None = None
-                   ) -> torch.export.ExportedProgram:
-    """``torch.export.export(model, args, kwargs, strict=False)`` decomposed with
-    :func:`decomposition_table`."""
+_UNDECOMPOSED = "kiln_undecomposed"  # graph_module.meta flag of programs export_program kept whole
+
+
+def export_program(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *,
+                   decompose: bool | None = None) -> torch.export.ExportedProgram:
+    """``torch.export.export(model, args, kwargs, strict=False)``, decomposed only if needed.
+
+    ``decompose=None`` (the default) returns the exported training IR itself when kiln lowers
+    every node of it (:func:`lowering_blockers` is empty): re-tracing it through
+    ``run_decompositions`` costs more than the export and changes nothing kiln needs.
+    Otherwise -- and always with ``decompose=True`` -- it returns
+    :func:`decompose_program` of it, functionalized and decomposed with
+    :func:`decomposition_table`.  ``decompose=False`` never decomposes.
+    """
     ep = torch.export.export(model, tuple(args), dict(kwargs or {}), strict=False)
-    return ep.run_decompositions(decomposition_table())
+    if decompose is True or (decompose is None and lowering_blockers(ep)):
+        return ep.run_decompositions(decomposition_table())
+    ep.graph_module.meta[_UNDECOMPOSED] = True
+    return ep
+
+
+def is_undecomposed(ep: torch.export.ExportedProgram) -> bool:
+    """Whether ``ep`` is a program :func:`export_program` returned without decomposing it."""
+    return bool(ep.graph_module.meta.get(_UNDECOMPOSED))
+
+
+def decompose_program(ep: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
+    """``ep`` functionalized and decomposed with :func:`decomposition_table`, as
+    :func:`export_program` does when it must; other programs are returned unchanged."""
+    if not is_undecomposed(ep):
+        return ep
+    decomposed = ep.run_decompositions(decomposition_table())
+    decomposed.graph_module.meta.pop(_UNDECOMPOSED, None)
+    return decomposed
+
+
+def lowering_blockers(ep: torch.export.ExportedProgram, limit: int = 8) -> list[str]:
+    """Why kiln cannot lower the exported program ``ep`` as it is (at most ``limit`` reasons;
+    empty when it can): nodes :func:`unsupported_reason` refuses, node kinds other than
+    placeholders, calls and the output, inputs other than tensors, parameters, buffers and
+    constants, outputs that update state or are not tensors."""
+    from torch.export.graph_signature import InputKind, OutputKind
+
+    reasons: list[str] = []
+    for node in ep.graph.nodes:
+        if node.op in ("placeholder", "output"):
+            continue
+        reason = unsupported_reason(node) if node.op == "call_function" else f"FX node kind {node.op}"
+        if reason is not None:
+            reasons.append(f"{node.name} ({node.target}): {reason}")
+    kept = (InputKind.USER_INPUT, InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR)
+    reasons += [f"input {s.arg} of kind {s.kind.name}" for s in ep.graph_signature.input_specs
+                if s.kind not in kept]
+    out_node = next(n for n in ep.graph.nodes if n.op == "output")
+    for arg, spec in zip(out_node.args[0], ep.graph_signature.output_specs):
+        if spec.kind != OutputKind.USER_OUTPUT:
+            reasons.append(f"output {spec.arg} of kind {spec.kind.name}")
+        elif not isinstance(arg, torch.fx.Node) or not isinstance(arg.meta.get("val"), torch.Tensor):
+            reasons.append(f"output {describe_value(arg)} is not a tensor")
+    return reasons[:limit]
 
 
 @dataclass
@@ -104,6 +170,10 @@ class Captured:
             ``None`` on the FX path.
         input_positions: for each graph input, its index among the flattened user inputs
             (non-tensor user inputs are specialized into the graph and have no graph input).
+        user_input_names: the exported program's name of every flattened user input,
+            tensors or not, in order; empty on the FX path.
+        param_targets: graph param name -> the model attribute path of its tensor
+            (``"fc1.weight"``), so a cached capture can bind a live model; empty on the FX path.
     """
 
     graph: Graph
@@ -112,120 +182,8 @@ class Captured:
     in_spec: Any = None
     out_spec: Any = None
     input_positions: list[int] = field(default_factory=list)
-
-
-# ------------------------------------------------------------------ locations
-_FRAME_RE = re.compile(
-    r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<fn>[^\n]+)\n(?P<code>[^\n]*)')
-_LIBRARY_DIRS = tuple(
-    os.path.dirname(os.path.abspath(p)) + os.sep
-    for p in (torch.__file__, os.path.dirname(os.path.abspath(__file__)))
-)
-
-
-def source_location(node: torch.fx.Node) -> str | None:
-    """``"file.py:LINE in fn: code"`` of the innermost user frame of the node's stack trace
-    (frames inside torch and kiln are skipped), or ``None`` if PyTorch recorded none."""
-    trace = node.meta.get("stack_trace")
-    if not trace:
-        return None
-    user_frames = [m for m in _FRAME_RE.finditer(trace)
-                   if not os.path.abspath(m["file"]).startswith(_LIBRARY_DIRS)]
-    if not user_frames:
-        return None
-    m = user_frames[-1]
-    return f"{os.path.basename(m['file'])}:{m['line']} in {m['fn'].strip()}: {m['code'].strip()}"
-
-
-# ------------------------------------------------------------ node checking
-def _describe(x: Any) -> str:
-    if isinstance(x, torch.fx.Node):
-        return _describe(x.meta.get("val", f"%{x.name}"))
-    if isinstance(x, torch.Tensor):
-        dtype = kiln_dtype(x.dtype).short if has_kiln_dtype(x.dtype) else str(x.dtype)
-        return f"{dtype}[{', '.join(str(d) for d in x.shape)}]"
-    if isinstance(x, (list, tuple)):
-        return "[" + ", ".join(_describe(v) for v in x) + "]"
-    return repr(x)
-
-
-def describe_inputs(node: torch.fx.Node) -> str:
-    """The node's operands as text: tensors as kiln types (``f32[2, 8]``), others by repr."""
-    parts = [_describe(a) for a in node.args]
-    parts += [f"{k}={_describe(v)}" for k, v in node.kwargs.items()]
-    return ", ".join(parts)
-
-
-def _bad_value(val: Any) -> str | None:
-    """Why an example value (fake tensor, scalar, or nest of them) cannot enter kiln."""
-    if isinstance(val, (torch.SymInt, torch.SymFloat, torch.SymBool)):
-        return ("the program has symbolic (dynamic) sizes; kiln supports only static shapes "
-                "today: export without dynamic_shapes, or use torch.compile(dynamic=False)")
-    if isinstance(val, torch.Tensor):
-        if any(isinstance(d, torch.SymInt) for d in val.shape):
-            return (f"the tensor has a symbolic shape {tuple(val.shape)}; kiln supports only "
-                    "static shapes today: export without dynamic_shapes, or use "
-                    "torch.compile(dynamic=False)")
-        if not has_kiln_dtype(val.dtype):
-            return f"dtype {val.dtype} has no kiln equivalent"
-        return None
-    if isinstance(val, (list, tuple)):
-        for v in val:
-            reason = _bad_value(v)
-            if reason:
-                return reason
-    return None
-
-
-def _bind(node: torch.fx.Node) -> list[Any]:
-    """The node's arguments in schema order, defaults filled in."""
-    schema = node.target._schema
-    bound = []
-    for i, arg in enumerate(schema.arguments):
-        if i < len(node.args) and not arg.kwarg_only:
-            bound.append(node.args[i])
-        elif arg.name in node.kwargs:
-            bound.append(node.kwargs[arg.name])
-        elif arg.has_default_value():
-            bound.append(arg.default_value)
-        else:
-            bound.append(None)
-    return bound
-
-
-def unsupported_reason(node: torch.fx.Node) -> str | None:
-    """``None`` when kiln can lower this FX node, else why not (shared by lowering and
-    :func:`is_supported`, so the fallback partitioner and capture always agree)."""
-    if node.op != "call_function":
-        return None
-    if node.target is operator.getitem:
-        source = node.args[0]
-        return unsupported_reason(source) if isinstance(source, torch.fx.Node) else None
-    if node.target in IGNORED_OPS:
-        return None
-    rule = rule_for(node.target)
-    if rule is None:
-        return "the op is not supported by kiln"
-    if "val" not in node.meta:
-        return ("the node has no example value (meta['val']); trace it with make_fx or "
-                "torch.export, or run FakeTensorProp first")
-    for value in [node.meta.get("val"), *(meta(a) for a in _flat_args(node))]:
-        reason = _bad_value(value)
-        if reason:
-            return reason
-    if rule.check is not None:
-        return rule.check(node, *_bind(node))
-    return None
-
-
-def _flat_args(node: torch.fx.Node) -> list[Any]:
-    return [a for a in pytree.tree_leaves((node.args, node.kwargs)) if isinstance(a, torch.fx.Node)]
-
-
-def is_supported(node: torch.fx.Node) -> bool:
-    """Whether kiln can lower this FX ``call_function`` node (attribute conditions and
-    static shapes included).  Placeholders, outputs and ``get_attr`` nodes are supported."""
-    return unsupported_reason(node) is None
+    user_input_names: list[str] = field(default_factory=list)
+    param_targets: dict[str, str] = field(default_factory=dict)
 
 
 # --------------------------------------------------------------- lowering
@@ -275,7 +233,7 @@ class _Lowerer:
             self.env[node] = self._getitem(node, loc)
             return
         ctx = LoweringContext(self.graph, node, loc)
-        args = [self.value(a) for a in _bind(node)]
+        args = [self.value(a) for a in bind_arguments(node)]
         try:
             result = rule_for(node.target).lower(ctx, *args)
         except (OpTypeError, ValueError, TypeError) as e:
@@ -315,8 +273,8 @@ class _Lowerer:
     def output(self, node: torch.fx.Node, arg: Any, what: str) -> Value:
         if not isinstance(arg, torch.fx.Node) or not isinstance(self.env.get(arg), Value):
             raise UnsupportedOpError(
-                "output", _describe(arg), source_location(node),
-                f"{what} is {_describe(arg)}, not a tensor; kiln graphs return tensors only",
+                "output", describe_value(arg), source_location(node),
+                f"{what} is {describe_value(arg)}, not a tensor; kiln graphs return tensors only",
                 hint="Return only tensors from the captured function (wrap the model if needed).")
         return self.env[arg]
 
@@ -349,28 +307,45 @@ _STATIC_HINT = ("Capture with example inputs of exactly the shapes you will run;
 
 def _placeholder_type(node: torch.fx.Node) -> TensorType:
     val = node.meta.get("val")
-    reason = _bad_value(val)
+    reason = bad_value(val)
     if reason:
-        raise UnsupportedOpError("placeholder", _describe(val), None, f"input '{node.name}': {reason}",
+        raise UnsupportedOpError("placeholder", describe_value(val), None, f"input '{node.name}': {reason}",
                                  hint=_STATIC_HINT)
     return tensor_type(val)
 
 
 # -------------------------------------------------------------- entry points
 def capture_program(ep: torch.export.ExportedProgram, name: str = "main") -> Captured:
-    """Lower a decomposed exported program (see :func:`export_program`) to a kiln graph."""
+    """Lower an exported program from :func:`export_program` to a kiln graph.
+
+    A program that ``export_program`` kept undecomposed and that still fails to lower is
+    decomposed (:func:`decompose_program`) and lowered again, so the result, or the error,
+    is the one the decomposed program gives.
+    """
+    try:
+        return _lower_program(ep, name)
+    except (UnsupportedOpError, CaptureError):
+        if not is_undecomposed(ep):
+            raise
+    return _lower_program(decompose_program(ep), name)
+
+
+def _lower_program(ep: torch.export.ExportedProgram, name: str) -> Captured:
     from torch.export.graph_signature import InputKind, OutputKind
 
     graph = Graph(name)
     lowerer = _Lowerer(graph, ep.graph)
     used: set[str] = set()
     params: dict[str, torch.Tensor] = {}
+    targets: dict[str, str] = {}
     input_names: list[str] = []
+    user_names: list[str] = []
     positions: list[int] = []
     placeholders = [n for n in ep.graph.nodes if n.op == "placeholder"]
     user_index = 0
     for node, spec in zip(placeholders, ep.graph_signature.input_specs):
         if spec.kind == InputKind.USER_INPUT:
+            user_names.append(spec.arg.name)
             if isinstance(node.meta.get("val"), torch.Tensor):
                 v = graph.add_input(_fresh(node.name, used), _placeholder_type(node))
                 lowerer.bind(node, v)
@@ -383,11 +358,12 @@ def capture_program(ep: torch.export.ExportedProgram, name: str = "main") -> Cap
             v = graph.add_param(_fresh(spec.target, used), _placeholder_type(node))
             lowerer.bind(node, v)
             params[v.name] = tensor
+            targets[v.name] = spec.target
         elif spec.kind == InputKind.CONSTANT_TENSOR:
             data = _to_numpy(ep.constants[spec.target])
             lowerer.bind(node, graph.add_constant(data, kiln_dtype(ep.constants[spec.target].dtype)))
         else:
-            raise UnsupportedOpError("placeholder", _describe(node.meta.get("val")), None,
+            raise UnsupportedOpError("placeholder", describe_value(node.meta.get("val")), None,
                                      f"input '{node.name}' of kind {spec.kind.name} is not supported",
                                      hint="Capture a model whose inputs are tensors, parameters and "
                                      "buffers only.")
@@ -397,7 +373,7 @@ def capture_program(ep: torch.export.ExportedProgram, name: str = "main") -> Cap
     for arg, spec in zip(out_node.args[0], ep.graph_signature.output_specs):
         if spec.kind != OutputKind.USER_OUTPUT:
             raise UnsupportedOpError(
-                str(getattr(arg, "target", "output")), _describe(arg), source_location(arg)
+                str(getattr(arg, "target", "output")), describe_value(arg), source_location(arg)
                 if isinstance(arg, torch.fx.Node) else None,
                 f"the program updates {spec.kind.name.lower()} '{spec.target}' in place",
                 hint="kiln compiles pure inference programs: call model.eval() and avoid in-place "
@@ -405,7 +381,7 @@ def capture_program(ep: torch.export.ExportedProgram, name: str = "main") -> Cap
         outputs.append(lowerer.output(out_node, arg, "an output"))
     graph.set_outputs(outputs)
     return Captured(graph, params, input_names, ep.call_spec.in_spec, ep.call_spec.out_spec,
-                    positions)
+                    positions, user_names, targets)
 
 
 def _ensure_meta(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> None:
@@ -441,7 +417,7 @@ def capture_fx(gm: torch.fx.GraphModule, example_inputs: list, *,
     for node in gm.graph.nodes:
         if node.op == "placeholder":
             if not isinstance(node.meta.get("val"), torch.Tensor):
-                raise UnsupportedOpError("placeholder", _describe(node.meta.get("val")), None,
+                raise UnsupportedOpError("placeholder", describe_value(node.meta.get("val")), None,
                                          f"input '{node.name}' is not a tensor",
                                          hint="Pass an FX graph whose placeholders are all tensors.")
             if index in param_indices:

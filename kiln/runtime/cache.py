@@ -26,6 +26,12 @@ Guarantees:
 
 Counters (``COUNTERS``, process-wide, and ``cache.counters`` per instance): ``hits``,
 ``misses``, ``corrupt``, ``stores``.
+
+:class:`DocumentCache` keeps small JSON documents (e.g. captured graphs, see
+:mod:`kiln.compiler.capture_cache`) in the same folder, as ``<key>.<kind>.json``, with the
+same guarantees: atomic writes, a damaged or foreign document is a miss (``corrupt``) that
+the next store overwrites, and ``enabled=False`` never touches the folder.  Its counters are
+``DOCUMENT_COUNTERS`` (process-wide) and ``documents.counters``.
 """
 
 from __future__ import annotations
@@ -181,6 +187,80 @@ class CompileCache:
         return f"<CompileCache {self.directory} ({state}) {self.counters}>"
 
 
+DOCUMENT_FORMAT = 1
+DOCUMENT_COUNTERS: dict[str, int] = {"hits": 0, "misses": 0, "corrupt": 0, "stores": 0}
+"""Process-wide counters of every :class:`DocumentCache`."""
+
+
+class DocumentCache:
+    """JSON documents keyed by ``(kind, key)`` in the compile-cache folder; see the module
+    docstring.  A document file holds its format, kind, key, the sha256 of its body and the
+    body (a JSON object, stored as text so that the digest covers its exact bytes)."""
+
+    def __init__(self, directory: str | os.PathLike[str] | None = None, enabled: bool = True):
+        self.enabled = enabled
+        self.directory = Path(directory).expanduser() if directory is not None else default_cache_dir()
+        self.counters: dict[str, int] = {"hits": 0, "misses": 0, "corrupt": 0, "stores": 0}
+
+    def path(self, kind: str, key: str) -> Path:
+        """The file of document ``(kind, key)``."""
+        return self.directory / f"{key}.{kind}.json"
+
+    def lookup(self, kind: str, key: str) -> dict[str, Any] | None:
+        """The verified body of document ``(kind, key)``, or ``None`` (a miss, or damaged)."""
+        path = self.path(kind, key)
+        if not self.enabled or not path.exists():
+            self._count("misses")
+            return None
+        body = _verified_body(path, kind, key)
+        if body is None:
+            self._count("corrupt")
+            self._count("misses")
+            return None
+        self._count("hits")
+        return body
+
+    def store(self, kind: str, key: str, body: Mapping[str, Any]) -> bool:
+        """Write document ``(kind, key)`` atomically; ``False`` when the cache is off or the
+        folder cannot be written (a warning says so: the document is rebuilt next time)."""
+        if not self.enabled:
+            return False
+        text = json.dumps(dict(body), sort_keys=True)
+        document = {"format": DOCUMENT_FORMAT, "kind": kind, "key": key, "sha256": digest(text), "body": text}
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            _atomic_write(self.path(kind, key), json.dumps(document).encode())
+        except OSError as e:
+            warnings.warn(f"kiln: cannot write the compile cache in {self.directory} ({e}); "
+                          "set KILN_CACHE_DIR to a writable folder or pass cache=False", stacklevel=2)
+            return False
+        self._count("stores")
+        return True
+
+    def _count(self, name: str) -> None:
+        with _COUNTER_LOCK:
+            self.counters[name] += 1
+            DOCUMENT_COUNTERS[name] += 1
+
+    def __repr__(self) -> str:
+        state = "on" if self.enabled else "off"
+        return f"<DocumentCache {self.directory} ({state}) {self.counters}>"
+
+
+def _verified_body(path: Path, kind: str, key: str) -> dict[str, Any] | None:
+    try:
+        document = json.loads(path.read_bytes())
+        if (document.get("format"), document.get("kind"), document.get("key")) != (DOCUMENT_FORMAT, kind, key):
+            return None
+        text = document["body"]
+        if digest(text) != document["sha256"]:
+            return None
+        body = json.loads(text)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    return body if isinstance(body, dict) else None
+
+
 def _atomic_write(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` through a unique temporary file and ``os.replace``."""
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
@@ -199,4 +279,5 @@ def _atomic_write(path: Path, data: bytes) -> None:
         raise
 
 
-__all__ = ["COUNTERS", "CacheEntry", "CompileCache", "cache_key", "default_cache_dir", "digest"]
+__all__ = ["COUNTERS", "DOCUMENT_COUNTERS", "CacheEntry", "CompileCache", "DocumentCache", "cache_key",
+           "default_cache_dir", "digest"]

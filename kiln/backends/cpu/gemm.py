@@ -44,7 +44,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kiln.ir.types import DType
+from kiln.ir.types import DType, broadcast_shapes
 
 from .choices import ChoiceStore
 from .microgemm import MicroGemm, pack_panels, packed_shape
@@ -143,7 +143,7 @@ def gemm_spec(a: torch.Tensor, b: torch.Tensor, dtype: DType) -> GemmSpec | None
     b_op = _matrix(k, n, b.stride(-2), b.stride(-1), "N", "T")
     if a_op is None or b_op is None:
         return None
-    batch = tuple(torch.broadcast_shapes(a.shape[:-2], b.shape[:-2]))
+    batch = tuple(broadcast_shapes(tuple(a.shape[:-2]), tuple(b.shape[:-2])))
     spec = GemmSpec(dtype, m, n, k, a_op, b_op, batch, _batch_strides(a, batch), _batch_strides(b, batch))
     return _merge_batch(spec)
 
