@@ -34,6 +34,7 @@ import ctypes
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any, ClassVar
 
 import torch
@@ -219,23 +220,31 @@ def _key_text(graph: Graph) -> str:
 def _kernel_sources(kernels: list[PlanOp], *, threads: int, schedule: bool
                     ) -> tuple[list[KernelSource], list[str | None], dict[str, str], dict[str, list]]:
     """Lower, schedule and describe every kernel; a kernel that fails falls back (None).
-    Also returns each kernel's schedule trace (``Schedule.trace``), by label."""
+    Kernels whose C is the same but for their symbol and comment (the layers of a
+    transformer) share one function: each later one gets the first one's symbol, so the C
+    compiler sees every distinct kernel once.  Also returns each kernel's schedule trace
+    (``Schedule.trace``), by label."""
     sources: list[KernelSource] = []
     symbols: list[str | None] = []
     fallbacks: dict[str, str] = {}
     traces: dict[str, list] = {}
+    seen: dict[str, str] = {}
     for index, op in enumerate(kernels):
         symbol = f"kiln_k{index}"
         try:
             source, trace = _kernel_source(symbol, op, threads=threads, schedule=schedule)
-            kernel_function(source)  # print now, so an unprintable kernel falls back alone
+            text = kernel_function(replace(source, symbol="kiln_same", comment=""))  # printable, and its identity
         except Exception as e:  # noqa: BLE001 - any failure falls back to the reference
             symbols.append(None)
             fallbacks[op.label] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
             continue
+        traces[op.label] = trace
+        if text in seen:
+            symbols.append(seen[text])
+            continue
+        seen[text] = symbol
         sources.append(source)
         symbols.append(symbol)
-        traces[op.label] = trace
     return sources, symbols, fallbacks, traces
 
 
@@ -266,9 +275,11 @@ def _kernel_source(symbol: str, op: PlanOp, *, threads: int, schedule: bool) -> 
 def _load(path: Any, symbols: list[str | None], gemm: bool, micro: microgemm.MicroGemm | None
           ) -> tuple[Any, list[int | None]]:
     """The loaded library (or None) and each kernel's index in its ``kiln_run`` table."""
-    indexes: list[int | None] = []
+    table: dict[str, int] = {}  # symbol -> its row of kiln_run's table (shared kernels repeat a symbol)
     for s in symbols:
-        indexes.append(None if s is None else sum(i is not None for i in indexes))
+        if s is not None and s not in table:
+            table[s] = len(table)
+    indexes = [None if s is None else table[s] for s in symbols]
     if path is None:
         return None, [None] * len(symbols)
     lib = ctypes.CDLL(str(path))

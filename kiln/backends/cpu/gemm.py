@@ -323,13 +323,21 @@ class GemmTuner:
         return _blas_runner(spec, blas_providers()[spec.provider])
 
 
+TUNE_SECONDS = 0.25
+"""About how long the timed rounds of one GEMM shape may take (at least one round runs)."""
+
+
 def _fastest(runs: dict[str, Callable[[], None]], rounds: int = 5) -> str:
-    """The name of the fastest call: each is warmed up, then all are timed in turn for
-    ``rounds`` rounds and the best time of each counts (interleaving makes a disturbance by
-    other processes hit every candidate alike)."""
+    """The name of the fastest call: each is warmed up, then all are timed in turn for up
+    to ``rounds`` rounds (fewer for big GEMMs, about :data:`TUNE_SECONDS` in all) and the best
+    time of each counts (interleaving makes a disturbance by other processes hit every
+    candidate alike)."""
     best = dict.fromkeys(runs, float("inf"))
-    for run in runs.values():
+    for name, run in runs.items():
+        start = time.perf_counter()
         run()
+        best[name] = time.perf_counter() - start
+    rounds = max(1, min(rounds, int(TUNE_SECONDS / max(sum(best.values()), 1e-9))))
     for _ in range(rounds):
         for name, run in runs.items():
             start = time.perf_counter()
@@ -338,14 +346,22 @@ def _fastest(runs: dict[str, Callable[[], None]], rounds: int = 5) -> str:
     return min(best, key=best.__getitem__)
 
 
+def _operands(spec: GemmSpec, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Timing operands: A (``M x K``) and B (``K x N``) in ``spec``'s layouts, filled with ones
+    (a GEMM's speed does not depend on the values; random data of big GEMMs is slow to make)."""
+    a = torch.ones(spec.m, spec.a.ld, dtype=dtype)[:, :spec.k] if spec.a.trans == "N" \
+        else torch.ones(spec.k, spec.a.ld, dtype=dtype)[:, :spec.m].T
+    b = torch.ones(spec.k, spec.b.ld, dtype=dtype)[:, :spec.n] if spec.b.trans == "N" \
+        else torch.ones(spec.n, spec.b.ld, dtype=dtype)[:, :spec.k].T
+    return a, b
+
+
 def _micro_runner(spec: GemmSpec, micro: MicroGemm) -> Callable[[], None]:
-    """One GEMM of ``spec``'s shape (one batch entry) with kiln's GEMM, on random data."""
-    a = torch.randn(spec.m, spec.k) if spec.a.trans == "N" else torch.randn(spec.k, spec.m).T
-    b = torch.randn(spec.k, spec.n) if spec.b.trans == "N" else torch.randn(spec.n, spec.k).T
+    """One GEMM of ``spec``'s shape (one batch entry) with kiln's GEMM."""
+    a, b = _operands(spec, torch.float32)
     c = torch.empty(spec.m, spec.n)
     if spec.packed_b:
-        b = torch.empty(packed_shape(spec.k, spec.n))
-        pack_panels(torch.randn(spec.k, spec.n), b)
+        b = torch.ones(packed_shape(spec.k, spec.n))
 
     def run() -> None:
         micro.gemm(spec.m, spec.n, spec.k, a.data_ptr(), a.stride(0), a.stride(1), b.data_ptr(),
@@ -355,30 +371,25 @@ def _micro_runner(spec: GemmSpec, micro: MicroGemm) -> Callable[[], None]:
 
 
 def _blas_runner(spec: GemmSpec, provider: BlasProvider) -> Callable[[], None]:
-    """One GEMM of ``spec``'s shape (one batch entry) with ``provider``, on random data."""
+    """One GEMM of ``spec``'s shape (one batch entry) with ``provider``."""
     index_c = _INDEX[provider.name][1]
     scalar = ctypes.c_float if spec.dtype == DType.float32 else ctypes.c_double
     pointer = ctypes.POINTER(index_c)
     fn = ctypes.CFUNCTYPE(None, ctypes.c_char_p, ctypes.c_char_p, pointer, pointer, pointer, ctypes.c_void_p,
                           ctypes.c_void_p, pointer, ctypes.c_void_p, pointer, ctypes.c_void_p, ctypes.c_void_p,
                           pointer)(provider.sgemm if spec.dtype == DType.float32 else provider.dgemm)
-    dtype = np.float32 if spec.dtype == DType.float32 else np.float64
-    # rows stored: A is M x K ("N") or K x M ("T"), B is K x N ("N") or N x K ("T"), each row ld long
-    a_rows = spec.m if spec.a.trans == "N" else spec.k
-    b_rows = spec.k if spec.b.trans == "N" else spec.n
-    a = np.random.default_rng(0).standard_normal(max(spec.a.ld * a_rows, 1)).astype(dtype)
-    b = np.random.default_rng(1).standard_normal(max(spec.b.ld * b_rows, 1)).astype(dtype)
-    c = np.empty(max(spec.m * spec.n, 1), dtype)
+    a, b = _operands(spec, torch.float32 if spec.dtype == DType.float32 else torch.float64)
+    c = torch.empty(max(spec.m * spec.n, 1), dtype=a.dtype)
     m, n, k = index_c(spec.n), index_c(spec.m), index_c(spec.k)
     lda, ldb, ldc = index_c(spec.b.ld), index_c(spec.a.ld), index_c(max(spec.n, 1))
     one, zero = scalar(1), scalar(0)
 
     def run() -> None:
-        fn(spec.b.trans.encode(), spec.a.trans.encode(), m, n, k, ctypes.addressof(one), b.ctypes.data, lda,
-           a.ctypes.data, ldb, ctypes.addressof(zero), c.ctypes.data, ldc)
+        fn(spec.b.trans.encode(), spec.a.trans.encode(), m, n, k, ctypes.addressof(one), b.data_ptr(), lda,
+           a.data_ptr(), ldb, ctypes.addressof(zero), c.data_ptr(), ldc)
 
     return run
 
 
-__all__ = ["KILN_PROVIDER", "PROVIDERS", "TUNE_MIN_FLOPS", "BlasProvider", "GemmSpec", "GemmTuner", "Operand", "blas_prelude",
+__all__ = ["KILN_PROVIDER", "PROVIDERS", "TUNE_MIN_FLOPS", "TUNE_SECONDS", "BlasProvider", "GemmSpec", "GemmTuner", "Operand", "blas_prelude",
            "blas_providers", "blas_symbols", "gemm_function", "gemm_spec", "set_blas_threads"]
