@@ -605,3 +605,17 @@ graph @scatter(%x: f32[7, 5, 3], %v: f32[6, 3], %i: i64[6], %g: f32[4, 3], %j: i
     labels = " ".join(str(s) for s in exe.plan.steps)
     assert ("torch index_put" in labels) == (select == "rule")
     assert ("torch.scatter_add" in labels) == (select == "rule")
+
+
+def test_identical_kernels_share_one_function():
+    """Two identical layers: their kernels are compiled once and both run (right results)."""
+    exe = check_against_reference("""
+graph @twice(%x: f32[5, 16]) params(%w1: f32[16, 16], %w2: f32[16, 16]) {
+  %0: f32[5, 16] = matmul(%x, %w1)
+  %1: f32[5, 16] = tanh(%0)
+  %2: f32[5, 16] = matmul(%1, %w2)
+  %3: f32[5, 16] = tanh(%2)
+  return %3
+}""")
+    defined = [line for line in exe.source.splitlines() if line.startswith("void kiln_k")]
+    assert exe.info["kernels"] == 2 and len(defined) == 1, defined
