@@ -141,16 +141,23 @@ PROFILE_CATEGORIES = (
 
 
 def profile_model(name: str, repeat: int = 5) -> tuple[float, list[tuple[str, float, int]]]:
-    """Where one call of ``name`` spends its time: each kernel gets its own native call
-    (``KILN_PROFILE_KERNELS=1``), every call is timed (best of ``repeat``), and the times are
-    summed per :data:`PROFILE_CATEGORIES` entry.  Returns the total seconds and
-    ``(category, seconds, calls)`` rows, largest first."""
+    """:func:`profile_module` of the model ``name`` of :data:`MODELS`."""
+    model, args, kwargs = MODELS[name]()
+    return profile_module(model, args, kwargs, repeat)
+
+
+def profile_module(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, repeat: int = 5
+                   ) -> tuple[float, list[tuple[str, float, int]]]:
+    """Where one call of ``model`` compiled by kiln spends its time: each kernel gets its own
+    native call (``KILN_PROFILE_KERNELS=1``), every call is timed (best of ``repeat``), and
+    the times are summed per :data:`PROFILE_CATEGORIES` entry.  Returns the total seconds
+    and ``(category, seconds, calls)`` rows, largest first."""
     import os
 
     import kiln
     from kiln.backends.cpu.backend import PROFILE_ENV_VAR
 
-    model, args, kwargs = MODELS[name]()
+    kwargs = dict(kwargs or {})
     previous = os.environ.get(PROFILE_ENV_VAR)
     os.environ[PROFILE_ENV_VAR] = "1"
     try:
