@@ -278,7 +278,8 @@ class GemmTuner:
         self._store = ChoiceStore(path, lambda v: v.split("+")[0] in (*PROVIDERS, KILN_PROVIDER), ".gemm.")
 
     def candidates(self, spec: GemmSpec, packable: bool = False) -> dict[str, GemmSpec]:
-        """Every way to run ``spec`` here, by name (``provider`` or ``provider+packed``)."""
+        """Every way to run ``spec`` here, by name (``provider`` or ``provider+packed``);
+        ``packable``: B is a weight (a 2-d argument), which may be read from a packed copy."""
         providers = blas_providers()
         names = [name for name in PROVIDERS if name in providers]
         if self.threads > 1 and "mkl" in names:
@@ -287,7 +288,7 @@ class GemmTuner:
             # models on 2 cores), so several threads mean MKL only.
             names = ["mkl"]
         found = {name: replace(spec, provider=name) for name in names}
-        if packable:
+        if packable and spec.b.trans == "T":  # BLAS reads a contiguous copy of a transposed weight
             packed = replace(spec, b=Operand("N", max(spec.n, 1)), packed_b=True)
             found.update({f"{name}+packed": replace(packed, provider=name) for name in names})
         if self.micro is not None and spec.dtype == DType.float32:
@@ -295,8 +296,8 @@ class GemmTuner:
         return found
 
     def choose(self, spec: GemmSpec, packable: bool = False) -> GemmSpec:
-        """``spec`` with its provider set (and ``packed_b`` when B, a transposed weight if
-        ``packable``, is read from a packed copy), the fastest measured for its shape."""
+        """``spec`` with its provider set (and ``packed_b`` when B, a weight if ``packable``, is
+        read from a packed copy), the fastest of :meth:`candidates` for its shape."""
         candidates = self.candidates(spec, packable)
         if not candidates:
             raise ValueError("kiln GEMM: no BLAS library and no kiln GEMM for this dtype")

@@ -215,7 +215,7 @@ class _Builder:
         spec = gemm_spec(a.meta, b.meta, anchor.outputs[0].dtype)
         if spec is None:
             return None
-        packable = b.root().origin == "arg" and b.type.rank == 2 and spec.b.trans == "T" and not spec.batch
+        packable = b.root().origin == "arg" and b.type.rank == 2 and not spec.batch  # a weight
         spec = self.gemm_provider(spec, packable)
         if not spec.packed_b:
             return spec, b
