@@ -77,35 +77,54 @@ void kiln_mgemm_pack_b(long K, long N, const float *B, long sk, long sn, float *
   c##r##0 = _mm256_fmadd_ps(a, b0, c##r##0); c##r##1 = _mm256_fmadd_ps(a, b1, c##r##1); }
 #define KMG_LOAD(r) c##r##0 = _mm256_loadu_ps(c + r * ldc); c##r##1 = _mm256_loadu_ps(c + r * ldc + 8);
 #define KMG_STORE(r) _mm256_storeu_ps(c + r * ldc, c##r##0); _mm256_storeu_ps(c + r * ldc + 8, c##r##1);
-#define KMG_ALL(X) X(0) X(1) X(2) X(3) X(4) X(5)
-/* c[6][16] (row stride ldc) (+)= Ap[kc][6] @ Bp[kc][16] */
-static inline void kmg_tile(long kc, const float *ap, const float *bp, float *c, long ldc, int acc) {
-  KMG_ALL(KMG_DECL)
-  if (acc) { KMG_ALL(KMG_LOAD) }
-  for (long k = 0; k < kc; k++) {
-    __m256 b0 = _mm256_loadu_ps(bp), b1 = _mm256_loadu_ps(bp + 8);
-    KMG_ALL(KMG_FMA)
-    ap += KMG_MR; bp += KMG_NR;
+#define KMG_ROWS1(X) X(0)
+#define KMG_ROWS2(X) X(0) X(1)
+#define KMG_ROWS3(X) X(0) X(1) X(2)
+#define KMG_ROWS4(X) X(0) X(1) X(2) X(3)
+#define KMG_ROWS5(X) X(0) X(1) X(2) X(3) X(4)
+#define KMG_ROWS6(X) X(0) X(1) X(2) X(3) X(4) X(5)
+/* c[R][16] (row stride ldc) (+)= Ap[kc][6] @ Bp[kc][16], rows 0..R-1 of the micro-panel only
+   (a GEMV, M = 1, does one sixth of the multiply-adds of a full tile) */
+#define KMG_TILE(R) \
+static inline void kmg_tile##R(long kc, const float *ap, const float *bp, float *c, long ldc, int acc) { \
+  KMG_ROWS##R(KMG_DECL) \
+  if (acc) { KMG_ROWS##R(KMG_LOAD) } \
+  for (long k = 0; k < kc; k++) { \
+    __m256 b0 = _mm256_loadu_ps(bp), b1 = _mm256_loadu_ps(bp + 8); \
+    KMG_ROWS##R(KMG_FMA) \
+    ap += KMG_MR; bp += KMG_NR; \
+  } \
+  KMG_ROWS##R(KMG_STORE) \
+}
+KMG_TILE(1) KMG_TILE(2) KMG_TILE(3) KMG_TILE(4) KMG_TILE(5) KMG_TILE(6)
+static inline void kmg_tile(long rows, long kc, const float *ap, const float *bp, float *c, long ldc, int acc) {
+  switch (rows) {
+    case 1: kmg_tile1(kc, ap, bp, c, ldc, acc); break;
+    case 2: kmg_tile2(kc, ap, bp, c, ldc, acc); break;
+    case 3: kmg_tile3(kc, ap, bp, c, ldc, acc); break;
+    case 4: kmg_tile4(kc, ap, bp, c, ldc, acc); break;
+    case 5: kmg_tile5(kc, ap, bp, c, ldc, acc); break;
+    default: kmg_tile6(kc, ap, bp, c, ldc, acc); break;
   }
-  KMG_ALL(KMG_STORE)
 }
 #else
-static inline void kmg_tile(long kc, const float *ap, const float *bp, float *c, long ldc, int acc) {
+/* c[rows][16] (row stride ldc) (+)= Ap[kc][6] @ Bp[kc][16], rows 0..rows-1 */
+static inline void kmg_tile(long rows, long kc, const float *ap, const float *bp, float *c, long ldc, int acc) {
   float t[KMG_MR][KMG_NR];
-  for (int r = 0; r < KMG_MR; r++)
+  for (long r = 0; r < rows; r++)
     for (int j = 0; j < KMG_NR; j++) t[r][j] = acc ? c[r * ldc + j] : 0.0f;
   for (long k = 0; k < kc; k++)
-    for (int r = 0; r < KMG_MR; r++)
+    for (long r = 0; r < rows; r++)
       for (int j = 0; j < KMG_NR; j++) t[r][j] += ap[k * KMG_MR + r] * bp[k * KMG_NR + j];
-  for (int r = 0; r < KMG_MR; r++)
+  for (long r = 0; r < rows; r++)
     for (int j = 0; j < KMG_NR; j++) c[r * ldc + j] = t[r][j];
 }
 #endif
 
-/* A partial tile (rows < 6 or cols < 16): through a full tile in scratch. */
+/* A tile narrower than 16 columns (the last panel): through a tile in scratch. */
 static void kmg_edge(long kc, const float *ap, const float *bp, float *c, long ldc, int acc, long rows, long w) {
   float t[KMG_MR * KMG_NR];
-  kmg_tile(kc, ap, bp, t, KMG_NR, 0);
+  kmg_tile(rows, kc, ap, bp, t, KMG_NR, 0);
   for (long r = 0; r < rows; r++)
     for (long j = 0; j < w; j++) c[r * ldc + j] = (acc ? c[r * ldc + j] : 0.0f) + t[r * KMG_NR + j];
 }
@@ -175,7 +194,7 @@ int kiln_mgemm_f32(long M, long N, long K, const float *A, long am, long ak, con
             long n0 = p * KMG_NR, w = N - n0 < KMG_NR ? N - n0 : KMG_NR;
             long m0 = ic + ib * KMG_MR, rows = mc - ib * KMG_MR < KMG_MR ? mc - ib * KMG_MR : KMG_MR;
             float *c = C + m0 * ldc + n0;
-            if (rows == KMG_MR && w == KMG_NR) kmg_tile(kc, ap, bp, c, ldc, pc > 0);
+            if (w == KMG_NR) kmg_tile(rows, kc, ap, bp, c, ldc, pc > 0);
             else kmg_edge(kc, ap, bp, c, ldc, pc > 0, rows, w);
           }
         }
