@@ -77,6 +77,18 @@ CASES = {
   %3: f32[2, 3, 4] = mul(%a, %b)
   %2: f32[6, 4] = reshape(%3) {shape=[6, 4]}
   return %2""")),
+    "the transpose of a product moves onto its operands and cancels a transposed weight": (_g("""
+  %0: f32[3, 2] = permute(%w) {dims=[1, 0]}
+  %1: f32[4, 2] = matmul(%x, %0)
+  %2: f32[2, 4] = permute(%1) {dims=[1, 0]}
+  return %2""", "%x: f32[4, 3], %w: f32[2, 3]"), _g("""
+  %3: f32[3, 4] = permute(%x) {dims=[1, 0]}
+  %4: f32[2, 4] = matmul(%w, %3)
+  return %4""", "%x: f32[4, 3], %w: f32[2, 3]")),
+    "a product used elsewhere too keeps its transpose": (_g("""
+  %1: f32[4, 2] = matmul(%x, %y)
+  %2: f32[2, 4] = permute(%1) {dims=[1, 0]}
+  return %1, %2""", "%x: f32[4, 3], %y: f32[3, 2]"), None),
     "reshapes of different source shapes stay": (_g("""
   %0: f32[6, 4] = reshape(%a) {shape=[6, 4]}
   %1: f32[6, 4] = reshape(%c) {shape=[6, 4]}

@@ -12,9 +12,15 @@ them for free.  The rules (``ew`` is any op with trait ``elementwise``):
 4. ``ew(..., expand(a), ...)``  ->  ``ew(..., a, ...)`` when implicit broadcasting gives the
    same result shape: the expand disappears into the consumer.
 5. ``permute(permute(x))`` compose into one ``permute`` (or none), as in ``simplify``.
+6. ``permute(matmul(a, b), [1, 0])`` of matrices, the product used only there  ->
+   ``matmul(permute(b), permute(a))`` (``(AB)^T = B^T A^T``): the transposes move onto the
+   operands, which GEMMs read transposed at no cost (and which cancel against operands that
+   are transposes themselves), instead of making the consumers read the product with a
+   stride (the weight gradients of ``nn.Linear`` layers: their optimizer update then reads
+   them in order).
 
 Rules 1-3 fire only when every moved view has no other user, so the number of view nodes
-never grows.  Views are never moved past non-elementwise ops: a ``permute`` swapping the
+never grows; rule 6 trades one view for two free ones.  Views are never moved past non-elementwise ops: a ``permute`` swapping the
 last two dims in front of ``matmul`` stays where it is, since a backend reads the operand
 transposed at no cost.  Every rewrite keeps the exact result type and values.  The pass
 terminates (views only move towards the outputs) and is idempotent.
@@ -30,7 +36,7 @@ from kiln.ir import Node, Value, all_ops
 from kiln.ir.types import broadcast_shapes
 from kiln.passes.base import register_pass
 from kiln.passes.cse import freeze_attr
-from kiln.passes.pattern import Builder, Match, PatternPass, Rewrite
+from kiln.passes.pattern import Builder, Match, PatternPass, Rewrite, any_value
 from kiln.passes.pattern import op as op_pattern
 from kiln.passes.simplify import identity_permute, permute_of_permute
 
@@ -99,6 +105,13 @@ def _absorb_expands(m: Match, b: Builder) -> Value | None:
     return _same_type(b.node(node.kind, operands, node.attrs).output, m)
 
 
+def _transpose_of_product(m: Match, b: Builder) -> Value | None:
+    if [d % 2 for d in m.value.producer.attrs["dims"]] != [1, 0]:
+        return None
+    out = b.op("matmul", b.op("permute", m["b"], dims=[1, 0]), b.op("permute", m["a"], dims=[1, 0]))
+    return _same_type(out, m)
+
+
 def _elementwise_kinds() -> tuple[str, ...]:
     return tuple(sorted(name for name, d in all_ops().items()
                         if d.has("elementwise") and not d.has("random")))
@@ -112,6 +125,10 @@ def sink_view_rewrites() -> tuple[Rewrite, ...]:
         Rewrite("sink_views", op_pattern(kinds), _sink_views),
         permute_of_permute,
         identity_permute,
+        Rewrite("transpose_of_product",
+                op_pattern("permute", op_pattern("matmul", any_value("a", rank=2), any_value("b", rank=2),
+                                                 one_use=True)),
+                _transpose_of_product),
     )
 
 
