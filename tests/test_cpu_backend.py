@@ -619,3 +619,17 @@ graph @twice(%x: f32[5, 16]) params(%w1: f32[16, 16], %w2: f32[16, 16]) {
 }""")
     defined = [line for line in exe.source.splitlines() if line.startswith("void kiln_k")]
     assert exe.info["kernels"] == 2 and len(defined) == 1, defined
+
+
+def test_measure_command_runs_and_profiles(capsys):
+    """``python -m kiln.backends.cpu.measure`` (timings) and ``--profile`` (time per kind)."""
+    from kiln.backends.cpu import measure
+
+    measure.main(["test-mlp", "--runs", "2"])
+    table = capsys.readouterr().out
+    assert "| test-mlp |" in table and "per-call overhead" in table
+    measure.main(["test-mlp", "--profile"])
+    profile = capsys.readouterr().out
+    assert "GEMM (+ fused epilogue)" in profile and "ms in plan calls" in profile
+    with pytest.raises(SystemExit):
+        measure.main(["no-such-model"])

@@ -183,12 +183,16 @@ def profile_module(model: torch.nn.Module, args: tuple, kwargs: dict | None = No
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("models", nargs="*", default=["test-mlp", "test-resnet18", "test-cnn", "test-gpt2",
-                                                      "test-bert", "gpt2-small"], choices=sorted(MODELS))
+    parser.add_argument("models", nargs="*", metavar="MODEL",
+                        help=f"models (default: the test models and gpt2-small); one of {', '.join(sorted(MODELS))}")
     parser.add_argument("--runs", type=int, default=30)
     parser.add_argument("--threads", type=int, default=None, help="torch and kiln threads (default: torch's)")
     parser.add_argument("--profile", action="store_true", help="print where each model's time goes instead")
     ns = parser.parse_args(argv)
+    ns.models = ns.models or ["test-mlp", "test-resnet18", "test-cnn", "test-gpt2", "test-bert", "gpt2-small"]
+    unknown = [m for m in ns.models if m not in MODELS]
+    if unknown:
+        parser.error(f"unknown model(s) {', '.join(unknown)}; choose from {', '.join(sorted(MODELS))}")
     warnings.filterwarnings("ignore")
     if ns.threads:
         torch.set_num_threads(ns.threads)
