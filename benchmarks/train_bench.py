@@ -14,6 +14,9 @@ timing rounds, statistics, ratios, the report -- and differs only in what one ca
   ``available_backends()`` lists it and differs from ``kiln``'s: forward, kiln's own
   backward and the AdamW update in one graph, every forward value the backward reads kept
   alive until its last use.
+* ``kiln-unfused`` / ``kiln-unfused-remat``: ``compile_train(..., passes=None)`` without and
+  with ``remat=True``: the step graph as autodiff builds it, unfused, where the ``remat`` pass
+  has the most to recompute (fusion keeps forward intermediates inside multi-output kernels).
 * ``kiln-remat``: the same as ``kiln`` with ``compile_train(..., remat=True)``: cheap forward
   values are recomputed in the backward (the ``remat`` pass), so the memory plan can reuse
   their buffers.
@@ -77,7 +80,7 @@ from .report import (
 from .systems import Inputs, Prepared, System, describe_error, first_array
 
 TRAIN_SCHEMA = SCHEMA.replace("bench", "bench-train")
-TRAIN_SYSTEM_NAMES = ("eager", "inductor", "kiln", "kiln-remat", "kiln-cpu")
+TRAIN_SYSTEM_NAMES = ("eager", "inductor", "kiln", "kiln-remat", "kiln-unfused", "kiln-unfused-remat", "kiln-cpu")
 LEARNING_RATE = 1e-3
 
 
@@ -280,15 +283,18 @@ class InductorTrain(TrainSystem):
 class KilnTrain(TrainSystem):
     """:func:`kiln.compile_train` on ``backend``, with rematerialization when ``remat``."""
 
-    def __init__(self, backend: str, name: str, *, remat: bool = False):
+    def __init__(self, backend: str, name: str, *, remat: bool = False, passes: str | None = "default"):
         self.backend = backend
         self.remat = remat
-        self.name, self.label = name, f"kiln ({backend}{', remat' if remat else ''})"
+        self.passes = passes
+        extras = ("" if passes == "default" else ", unfused") + (", remat" if remat else "")
+        self.name, self.label = name, f"kiln ({backend}{extras})"
 
     def version(self) -> str:
         import kiln
 
-        return f"{kiln.__version__}, backend {self.backend}{', remat=True' if self.remat else ''}"
+        return (f"{kiln.__version__}, backend {self.backend}, passes={self.passes!r}"
+                f"{', remat=True' if self.remat else ''}")
 
     def build_step(self, task: TrainingTask, optimizer: torch.optim.Optimizer, args: Inputs
                    ) -> tuple[Callable[[], torch.Tensor], list[str]]:
@@ -298,9 +304,9 @@ class KilnTrain(TrainSystem):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             train_step = kiln.compile_train(task.model, task.loss_fn, optimizer, args, backend=self.backend,
-                                            remat=self.remat)
+                                            remat=self.remat, passes=self.passes)
         compile_s = time.perf_counter() - start
-        if not self.remat:  # split_joint's figures do not depend on the switch: report them once
+        if not self.remat and self.passes == "default":  # split_joint's figures: report them once
             self.saved_for_backward = planned_saved_bytes(train_step)
         return (lambda: train_step(*args)), [f"compile {compile_s:.2f} s", *step_notes(train_step.stats)]
 
@@ -349,6 +355,10 @@ def make_train_systems(names: list[str] | None = None, *, kiln_backend: str | No
             systems.append(KilnTrain(default_backend, "kiln"))
         elif name == "kiln-remat":
             systems.append(KilnTrain(default_backend, "kiln-remat", remat=True))
+        elif name == "kiln-unfused":
+            systems.append(KilnTrain(default_backend, "kiln-unfused", passes=None))
+        elif name == "kiln-unfused-remat":
+            systems.append(KilnTrain(default_backend, "kiln-unfused-remat", remat=True, passes=None))
         elif "cpu" in available_backends() and default_backend != "cpu":
             systems.append(KilnTrain("cpu", "kiln-cpu"))
     return systems
