@@ -20,10 +20,13 @@ them for free.  The rules (``ew`` is any op with trait ``elementwise``):
    them in order).
 
 Rules 1-3 fire only when every moved view has no other user, so the number of view nodes
-never grows; rule 6 trades one view for two free ones.  Views are never moved past non-elementwise ops: a ``permute`` swapping the
-last two dims in front of ``matmul`` stays where it is, since a backend reads the operand
-transposed at no cost.  Every rewrite keeps the exact result type and values.  The pass
-terminates (views only move towards the outputs) and is idempotent.
+never grows; rule 6 trades one view for two free ones.  Apart from rule 6, views are never
+moved past non-elementwise ops: a ``permute`` swapping the last two dims in front of
+``matmul`` stays where it is, since a backend reads the operand transposed at no cost.
+Every rewrite keeps the exact result type, and the values (rule 6 up to the order in which
+a GEMM sums its products).  The pass
+terminates (views only move towards the outputs, except that rule 6 moves a transpose from
+a product onto its operands, towards the inputs) and is idempotent.
 """
 
 from __future__ import annotations
@@ -137,9 +140,10 @@ def sink_view_rewrites() -> tuple[Rewrite, ...]:
 class SinkViews(PatternPass):
     """Move permute/reshape/expand past elementwise ops (rules in :mod:`kiln.passes.layout`).
 
-    Guarantees: exact result types and values; the number of view nodes never grows;
-    views in front of non-elementwise ops (e.g. a transposed ``matmul`` operand) are left in
-    place; idempotent.
+    Guarantees: exact result types, and values (up to a GEMM's summation order for rule 6);
+    the number of view nodes grows only by rule 6 (one transpose of a product becomes two of
+    its operands, which GEMMs read for free); views in front of non-elementwise ops (e.g. a
+    transposed ``matmul`` operand) are left in place; idempotent.
     """
 
     name: ClassVar[str] = "sink-views"

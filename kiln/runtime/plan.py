@@ -431,4 +431,5 @@ def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-__all__ = ["CallPlan", "write_panels", "ContiguousStep", "KernelStep", "NativeRunStep", "PackStep", "ReleaseStep", "SlotSpec", "Step", "TorchStep", "ViewStep", "Workspace"]
+__all__ = ["CallPlan", "ContiguousStep", "KernelStep", "NativeRunStep", "PackStep", "ReleaseStep", "SlotSpec", "Step",
+           "TorchStep", "ViewStep", "Workspace", "write_panels"]

@@ -47,7 +47,7 @@ import torch
 from kiln.ir.types import DType, broadcast_shapes
 
 from .choices import ChoiceStore
-from .microgemm import MicroGemm, pack_panels, packed_shape
+from .microgemm import MicroGemm, packed_shape
 
 _CTYPE = {DType.float32: "float", DType.float64: "double"}
 PROVIDERS = ("mkl", "openblas")
@@ -392,5 +392,6 @@ def _blas_runner(spec: GemmSpec, provider: BlasProvider) -> Callable[[], None]:
     return run
 
 
-__all__ = ["KILN_PROVIDER", "PROVIDERS", "TUNE_MIN_FLOPS", "TUNE_SECONDS", "BlasProvider", "GemmSpec", "GemmTuner", "Operand", "blas_prelude",
+__all__ = ["KILN_PROVIDER", "PROVIDERS", "TUNE_MIN_FLOPS", "TUNE_SECONDS", "BlasProvider", "GemmSpec", "GemmTuner",
+           "Operand", "blas_prelude",
            "blas_providers", "blas_symbols", "gemm_function", "gemm_spec", "set_blas_threads"]

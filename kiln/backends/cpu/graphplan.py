@@ -42,8 +42,8 @@ from kiln.runtime.tensors import from_numpy, torch_dtype
 
 from .absorb import absorb_views, permute_result
 from .gemm import KILN_PROVIDER, GemmSpec, gemm_spec
-from .microgemm import packed_shape
 from .library import VIEWS, LibraryCall, library_call, reference_call
+from .microgemm import packed_shape
 from .plan import BufferRequest
 from .select import Choice, anchor_of
 

@@ -163,7 +163,8 @@ int kiln_mgemm_f32(long M, long N, long K, const float *A, long am, long ak, con
   }
   long mc_max = M < KMG_MC ? M : KMG_MC;
   long kc_max = K < KMG_KC ? K : KMG_KC;
-  float *work = (float *)aligned_alloc(64, sizeof(float) * (size_t)(((mc_max + KMG_MR - 1) / KMG_MR) * KMG_MR * kc_max));
+  long mc_rounded = (mc_max + KMG_MR - 1) / KMG_MR * KMG_MR;
+  float *work = (float *)aligned_alloc(64, sizeof(float) * (size_t)(mc_rounded * kc_max));
   if (!work) {
     free(bscratch);
     kmg_plain(M, N, K, A, am, ak, B0, bk, bn, packed, C, ldc);
