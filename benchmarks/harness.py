@@ -480,9 +480,17 @@ def run(config: BenchConfig, *, on_workload: Callable[[dict[str, Any]], None] | 
     finally:
         progress.close()
         torch.set_num_threads(threads_before)
+    return finish_document(SCHEMA, started, config, machine, systems, records)
+
+
+def finish_document(schema: str, started: datetime, config: BenchConfig, machine: dict[str, Any],
+                    systems: list[Any], records: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+    """The JSON document of a finished run (``extra`` fields, e.g. report titles, follow the
+    schema), written with :func:`write_outputs` to ``config.out`` unless that is ``None``."""
     machine["load_average_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
     document = {
-        "schema": SCHEMA,
+        "schema": schema,
+        **extra,
         "created": started.isoformat(timespec="seconds"),
         "duration_s": round((datetime.now(UTC) - started).total_seconds(), 1),
         "config": _config_record(config),

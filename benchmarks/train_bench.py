@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import copy
 import gc
-import os
 import tempfile
 import time
 import warnings
@@ -60,13 +59,12 @@ from torch import nn
 from .harness import (
     SCHEMA,
     BenchConfig,
-    _config_record,
     _Entry,
     _gc_frozen,
     _isolated_caches,
     _prepare,
     _Progress,
-    _system_record,
+    finish_document,
     time_entries,
 )
 from .models import MLP, SEED
@@ -75,7 +73,6 @@ from .report import (
     compute_ratios,
     describe_machine,
     summarize,
-    write_outputs,
 )
 from .systems import Inputs, Prepared, System, describe_error, first_array
 
@@ -439,20 +436,9 @@ def run_train(config: BenchConfig) -> dict[str, Any]:
     finally:
         progress.close()
         torch.set_num_threads(threads_before)
-    machine["load_average_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
-    document = {
-        "schema": TRAIN_SCHEMA,
-        "title": "kiln training-step benchmark results",
-        "mode_note": (f"float32, one call = one training step (forward, loss, backward, "
-                      f"AdamW(lr={LEARNING_RATE:g}) update, zero_grad)."),
-        "error_note": "- `max rel err`: |first-step loss - eager's| / |eager's| (same initial weights).",
-        "created": started.isoformat(timespec="seconds"),
-        "duration_s": round((datetime.now(UTC) - started).total_seconds(), 1),
-        "config": _config_record(config),
-        "machine": machine,
-        "systems": [_system_record(s) for s in systems],
-        "workloads": records,
-    }
-    if config.out is not None:
-        document["files"] = {k: str(v) for k, v in write_outputs(document, config.out, plot=config.plot).items()}
-    return document
+    return finish_document(
+        TRAIN_SCHEMA, started, config, machine, systems, records,
+        title="kiln training-step benchmark results",
+        mode_note=(f"float32, one call = one training step (forward, loss, backward, "
+                   f"AdamW(lr={LEARNING_RATE:g}) update, zero_grad)."),
+        error_note="- `max rel err`: |first-step loss - eager's| / |eager's| (same initial weights).")

@@ -22,14 +22,7 @@ from test_train import gpt2_batches, lm_loss, mlp_batches, tiny_gpt2
 STEPS = 50
 
 
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    """The eager reference runs tiny ops, where torch's intra-op threads only add start-up and
-    spinning cost (10x slower on a busy 2-core machine): use one thread, then restore."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def amp(text: str, dtype: str = "bf16") -> str:

@@ -21,8 +21,6 @@ from torch.utils import _pytree as pytree
 
 import kiln
 from kiln.backends import get_backend
-from kiln.backends.base import ReferenceExecutable
-from kiln.backends.cpu.backend import CpuExecutable
 from kiln.compiler.autograd import DifferentiableGraph
 
 from models import MODELS, mlp
@@ -30,14 +28,7 @@ from models import MODELS, mlp
 REL_TOL = 1e-4
 
 
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    """The eager reference runs tiny ops, where torch's intra-op threads only add start-up and
-    spinning cost (10x slower on a busy 2-core machine): use one thread, then restore."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def small_inputs(name: str):
@@ -77,17 +68,6 @@ def assert_grads_match(model: nn.Module, want: dict[str, torch.Tensor | None]) -
         assert err <= REL_TOL, f"{name}: gradient error {err:.2e}"
 
 
-@pytest.fixture
-def kiln_runs(monkeypatch):
-    """Names of the kiln graphs that ran (``...forward``/``...backward`` in training)."""
-    calls: list[str] = []
-    for executable in (ReferenceExecutable, CpuExecutable):
-        def counting(self, args, original=executable.__call__):
-            calls.append(self.graph.name)
-            return original(self, args)
-
-        monkeypatch.setattr(executable, "__call__", counting)
-    return calls
 
 
 def run_case(name: str, compile_fn, kiln_runs) -> None:

@@ -27,13 +27,7 @@ from kiln.passes.remat import Rematerialize, rematerialize
 REL_TOL = 1e-4
 
 
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    """Tiny eager ops run fastest on one thread on a busy machine; restore afterwards."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def f32(*shape: int) -> TensorType:

@@ -1,0 +1,33 @@
+"""Fixtures shared by several test files (requested by name, none applies by itself)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kiln.backends.base import ReferenceExecutable
+from kiln.backends.cpu.backend import CpuExecutable
+
+
+@pytest.fixture
+def one_torch_thread():
+    """The eager reference runs tiny ops, where torch's intra-op threads only add start-up and
+    spinning cost (10x slower on a busy 2-core machine): use one thread, then restore."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def kiln_runs(monkeypatch):
+    """Names of the kiln graphs whose reference or cpu executable ran (proves kiln, not eager,
+    ran; ``...forward``/``...backward`` in training)."""
+    calls: list[str] = []
+    for executable in (ReferenceExecutable, CpuExecutable):
+        def counting(self, args, original=executable.__call__):
+            calls.append(self.graph.name)
+            return original(self, args)
+
+        monkeypatch.setattr(executable, "__call__", counting)
+    return calls
