@@ -14,9 +14,10 @@ place of tensors and returns a ``Value``, or a sequence for multi-result ops who
 be zero-argument callables, built only if a ``getitem`` asks for them.
 
 The rules themselves live by family in :mod:`kiln.compiler.aten_math` (elementwise, casts,
-reductions), :mod:`kiln.compiler.aten_layout` (layout, indexing, creation) and
-:mod:`kiln.compiler.aten_nn` (linalg, conv, norms, pooling, attention); importing this module
-registers all of them.
+reductions), :mod:`kiln.compiler.aten_layout` (layout, indexing, creation),
+:mod:`kiln.compiler.aten_nn` (linalg, conv, pooling, upsampling, embedding),
+:mod:`kiln.compiler.aten_norm` (batch/layer/RMS norm) and :mod:`kiln.compiler.aten_attention`
+(attention); importing this module registers all of them.
 """
 
 from __future__ import annotations
@@ -240,4 +241,11 @@ def rule_for(target: Any) -> AtenRule | None:
     return ATEN_TABLE.get(target)
 
 
-from . import aten_inplace, aten_layout, aten_math, aten_nn  # noqa: E402,F401  (register the rules)
+from . import (  # noqa: E402,F401  (register the rules)
+    aten_attention,
+    aten_inplace,
+    aten_layout,
+    aten_math,
+    aten_nn,
+    aten_norm,
+)

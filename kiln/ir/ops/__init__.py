@@ -3,4 +3,16 @@
 One module per family; each op is declared once with :func:`kiln.ir.registry.defop`.
 """
 
-from . import creation, elementwise, fused, layout, linalg, nn, reduction  # noqa: F401
+from . import (  # noqa: F401
+    attention,
+    conv,
+    creation,
+    elementwise,
+    embedding,
+    fused,
+    layout,
+    linalg,
+    norm,
+    pool,
+    reduction,
+)

@@ -42,8 +42,22 @@ import numpy as np
 from .. import registry
 from ..errors import KilnError
 from ..loops.expr import (
-    INDEX, MATH_FUNCS, Binary, Call, Cast, Const, Expr, Load, Select, Unary, Var, affine_expr, affine_form,
-    as_expr, dtype_of, map_expr,
+    INDEX,
+    MATH_FUNCS,
+    Binary,
+    Call,
+    Cast,
+    Const,
+    Expr,
+    Load,
+    Select,
+    Unary,
+    Var,
+    affine_expr,
+    affine_form,
+    as_expr,
+    dtype_of,
+    map_expr,
 )
 from ..loops.program import Buffer, Loop, Node, Reduce, Store
 from ..types import DType, TensorType

@@ -15,9 +15,29 @@ import scipy.special
 from ..loops.expr import Const
 from ..registry import Attr, defop
 from ..types import DType, TensorType, promote
+from ._infer import (
+    broadcast,
+    broadcast_bool,
+    broadcast_float,
+    float_result,
+    same_as_first,
+    unary_float,
+)
 from .compute import (
-    Unary, broadcast_index, call, cmp, compute_dtype, const, convert, defcompute, float_compute_dtype, floordiv,
-    floormod, maximum, minimum, select,
+    Unary,
+    broadcast_index,
+    call,
+    cmp,
+    compute_dtype,
+    const,
+    convert,
+    defcompute,
+    float_compute_dtype,
+    floordiv,
+    floormod,
+    maximum,
+    minimum,
+    select,
 )
 from .vjp import (
     GradBuilder,
@@ -28,14 +48,6 @@ from .vjp import (
     nondifferentiable,
     unbroadcast,
     zero_gradient,
-)
-from ._infer import (
-    broadcast,
-    broadcast_bool,
-    broadcast_float,
-    float_result,
-    same_as_first,
-    unary_float,
 )
 
 _LOWP = (np.float16, np.dtype("bfloat16"))

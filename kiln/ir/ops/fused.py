@@ -30,7 +30,14 @@ from ..graph import Graph, Value
 from ..registry import Attr, defop
 from ..types import DType, TensorType
 from ._infer import broadcast_float
-from .compute import broadcast_index, call, compute_graph, const, defcompute, float_compute_dtype
+from .compute import (
+    broadcast_index,
+    call,
+    compute_graph,
+    const,
+    defcompute,
+    float_compute_dtype,
+)
 from .vjp import defvjp, unbroadcast
 
 FUSED_KINDS = ("elementwise", "reduction", "matmul", "conv", "opaque")

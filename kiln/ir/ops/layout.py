@@ -17,11 +17,31 @@ from functools import reduce
 import numpy as np
 
 from ..registry import Attr, defop
-from ..types import Dim, DType, SymDim, TensorType, broadcast_shapes, normalize_dim, promote
+from ..types import (
+    Dim,
+    DType,
+    SymDim,
+    TensorType,
+    broadcast_shapes,
+    normalize_dim,
+    promote,
+)
 from ._infer import fmt_shape, require_int, static_dims, unique_axes
 from .compute import (
-    Const, LoweringError, Select, all_of, as_expr, broadcast_index, cmp, const, defcompute, floordiv, floormod,
-    linear_index, reshape_index, simplify_index,
+    Const,
+    LoweringError,
+    Select,
+    all_of,
+    as_expr,
+    broadcast_index,
+    cmp,
+    const,
+    defcompute,
+    floordiv,
+    floormod,
+    linear_index,
+    reshape_index,
+    simplify_index,
 )
 from .vjp import GradBuilder, deflinear, defvjp, unbroadcast
 

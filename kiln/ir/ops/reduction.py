@@ -18,7 +18,16 @@ import numpy as np
 from ..registry import Attr, defop
 from ..types import DType, TensorType, normalize_dim
 from ._infer import fmt_shape, reduction_axes, require_float, upcast_half
-from .compute import call, cmp, compute_dtype, const, convert, defcompute, drop_axes, linear_index
+from .compute import (
+    call,
+    cmp,
+    compute_dtype,
+    const,
+    convert,
+    defcompute,
+    drop_axes,
+    linear_index,
+)
 from .vjp import GradBuilder, defvjp, expand_reduced, nondifferentiable
 
 _DIMS = {"dims": Attr("ints", ()), "keepdim": Attr("bool", False)}
