@@ -270,13 +270,21 @@ class KernelPrinter(_CPrinter):
     def _plain_loop(self, n: Loop, ind: str, pragma: str | None = None) -> None:
         ann = n.annotation
         opened_parallel = False
-        if pragma is not None:
+        collapsed = getattr(self, "_collapsed", set())
+        if n.iterator in collapsed:
+            pass  # an inner loop of a collapse(n) region: OpenMP allows no pragma between them
+        elif pragma is not None:
             self.lines.append(f"{ind}{pragma}")
         elif ann.kind == "parallel" and not self._in_parallel:
             depth = self._collapse_depth(n)
             clause = f" collapse({depth})" if depth > 1 else ""
             self.lines.append(f"{ind}#pragma omp parallel for schedule(static){clause}")
             self._in_parallel = opened_parallel = True
+            inner, cur = set(), n
+            for _ in range(depth - 1):
+                cur = cur.body[0]
+                inner.add(cur.iterator)
+            self._collapsed = collapsed | inner
         elif ann.kind == "vectorized" or (ann.kind == "parallel" and self._is_innermost(n)):
             reduction = self._simd_reduction_clause(n)
             self.lines.append(f"{ind}#pragma omp simd{reduction}")
@@ -293,6 +301,7 @@ class KernelPrinter(_CPrinter):
         self.lines.append(f"{ind}}}")
         if opened_parallel:
             self._in_parallel = False
+            self._collapsed = collapsed
 
     def _collapse_depth(self, n: Loop) -> int:
         depth, outer, cur = 1, {n.iterator}, n

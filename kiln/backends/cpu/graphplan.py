@@ -133,6 +133,14 @@ class _Builder:
         self.values: list[PlanValue] = []
         self.ops: list[PlanOp] = []
         self.of: dict[Value, PlanValue] = {}
+        self.param_slots: set[int] = set()
+        """Slots of the graph's parameters: the only operands a GEMM may read from a packed
+        copy kept across calls (an input's tensor can be new at each call at the address and
+        version counter of the last one, so a packed copy of it would go stale)."""
+
+    def persistent(self, values: list[PlanValue]) -> list[bool]:
+        """Which of ``values`` are the graph's parameters (the same tensors at every call)."""
+        return [pv.slot in self.param_slots for pv in values]
 
     def new(self, type: TensorType, name: str, origin: str, **kw) -> PlanValue:
         pv = PlanValue(len(self.values), type, name, origin, **kw)
@@ -155,7 +163,7 @@ class _Builder:
         elif impl == "library" and node.kind == "matmul" and self.gemm(node, ins, label):
             pass
         elif impl == "library":
-            self.library(library_call(node), ins, list(node.outputs), label)
+            self.library(library_call(node, self.persistent(ins)), ins, list(node.outputs), label)
         elif impl == "reference":
             self.library(reference_call(node), ins, list(node.outputs), label)
         elif impl == "library+epilogue":
@@ -215,7 +223,7 @@ class _Builder:
         spec = gemm_spec(a.meta, b.meta, anchor.outputs[0].dtype)
         if spec is None:
             return None
-        packable = b.root().origin == "arg" and b.type.rank == 2 and not spec.batch  # a weight
+        packable = b.root().slot in self.param_slots and b.type.rank == 2 and not spec.batch  # a weight
         spec = self.gemm_provider(spec, packable)
         if not spec.packed_b:
             return spec, b
@@ -255,7 +263,8 @@ class _Builder:
         if spec is not None:
             anchor_pv = self.new(result.type, result.name, "buffer")
         else:
-            anchor_pv = self.library(library_call(anchor), anchor_ins, [result], f"%{result.name} = {anchor.kind}")[0]
+            anchor_pv = self.library(library_call(anchor, self.persistent(anchor_ins)), anchor_ins, [result],
+                                     f"%{result.name} = {anchor.kind}")[0]
         outs: list[PlanValue] = []
         for graph_out, body_out in zip(node.outputs, body.outputs):
             if body_out is result:
@@ -299,7 +308,9 @@ class _Builder:
             out = op.outputs[0]
             if out.type.rank != 4 or out.slot in escaping or not readers.get(out.slot):
                 continue
-            if not all(r.kind == "kernel" or (r.kind == "library" and r.call.channels_last)
+            # A GEMM kernel's operand layout is fixed in its spec when it is planned, so its
+            # operands must keep the layout they had then.
+            if not all((r.kind == "kernel" and r.gemm is None) or (r.kind == "library" and r.call.channels_last)
                        for r in readers[out.slot]):
                 continue
             self.ops[index + 1:index + 1] = [self._to_channels_last(op, out)]
@@ -456,6 +467,7 @@ def build_graph_plan(graph: Graph, choose: Callable[[Node], Choice], *,
         pv = b.new(v.type, v.name, "arg")
         b.of[v] = pv
         args.append(pv)
+    b.param_slots = {b.of[v].slot for v in graph.params}
     for c in graph.constants:
         b.of[c] = b.new(c.type, c.name, "const", const=from_numpy(c.data))
     choices = {}
