@@ -3,10 +3,12 @@ graphs and outputs, binds the live model, and misses whenever what decides the t
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -229,3 +231,295 @@ def test_fingerprint_is_the_same_in_another_process():
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env,
                          check=True, cwd=Path(__file__).parent.parent)
     assert out.stdout.strip().splitlines()[-1] == here
+
+
+# ------------------------------------------------------------------ what the code reads
+# Each case yields programs that differ only in what their code reads -- globals, closure
+# cells, defaults, module attributes, called functions' globals -- changing the state
+# between yields.  Every compile must give the eager answer of the program as it is then;
+# the first program compiled twice must hit, so the cache is not simply off.
+OP = torch.sin
+SCALE = 2.0
+FLAG = True
+CONST = torch.arange(4.0)
+CONFIG = types.SimpleNamespace(negate=False, power=2)
+OPS = types.ModuleType("kiln_test_ops")
+OPS.act = torch.sin
+
+
+def uses_op(t):
+    return OP(t)
+
+
+def scaled(t):
+    return t * SCALE
+
+
+def calls_scaled(t):
+    return scaled(t) + 1
+
+
+def flagged(t):
+    return t.exp() if FLAG else t.tanh()
+
+
+def adds_const(t):
+    return t + CONST
+
+
+def configured(t):
+    out = t ** CONFIG.power
+    return -out if CONFIG.negate else out
+
+
+def through_module_attribute(t):
+    return OPS.act(t)
+
+
+def helper(t):
+    return t.sin()
+
+
+def calls_helper(t):
+    return helper(t) * 2
+
+
+def _cos_body(t):
+    return t.cos()
+
+
+def reads_environment(t):
+    return t.exp() if os.environ.get("KILN_TEST_BRANCH") == "exp" else t.sin()
+
+
+class CallsGlobal(nn.Module):
+    def forward(self, t):
+        return calls_scaled(t).relu()
+
+
+class CallsMethod(nn.Module):
+    def forward(self, t):
+        return self.branch(t) * 3
+
+    def branch(self, t):
+        return OP(t)
+
+
+class Activation:
+    def __init__(self, op):
+        self.op = op
+
+    def __call__(self, t):
+        return self.op(t) + 1
+
+    def apply(self, t):
+        return self.op(t) - 1
+
+
+def case_loop_over_a_global():  # the lambda reads the module global OP
+    global OP
+    for op in (torch.sin, torch.cos, torch.tanh):
+        OP = op
+        yield lambda t: OP(t)  # noqa: B023 -- reads the global as it is at the call
+    OP = torch.sin
+
+
+def case_global_rebinding():  # one function object; the global it reads is rebound
+    global OP
+    for op in (torch.sin, torch.cos):
+        OP = op
+        yield uses_op
+    OP = torch.sin
+
+
+def closing(o):
+    return lambda t: o(t)
+
+
+def case_lambda_in_a_loop():  # closure cells
+    for op in (torch.sin, torch.cos, torch.exp):
+        yield closing(op)
+
+
+def case_closure():
+    def make(k):
+        def f(t):
+            return t * k
+        return f
+
+    for k in (2.0, 3.0):
+        yield make(k)
+
+
+def case_default_argument():
+    for op in (torch.sin, torch.cos):
+        def f(t, act=op):
+            return act(t)
+        yield f
+
+
+def weighted(t, op, w):
+    return op(t) * w
+
+
+def case_partial():
+    for op, w in ((torch.sin, 2.0), (torch.sin, 3.0), (torch.cos, 3.0)):
+        yield functools.partial(weighted, op=op, w=w)
+
+
+def case_global_of_a_called_function():
+    global SCALE
+    for value in (2.0, 5.0):
+        SCALE = value
+        yield calls_scaled
+    SCALE = 2.0
+
+
+def case_module_forward_calls_a_global_function():
+    global SCALE
+    model = CallsGlobal()
+    for value in (2.0, -1.0):
+        SCALE = value
+        yield model
+    SCALE = 2.0
+
+
+def case_method_reads_a_global():
+    global OP
+    for op in (torch.sin, torch.cos):
+        OP = op
+        yield CallsMethod()
+    OP = torch.sin
+
+
+def case_helper_edited():  # the helper's code is replaced in place
+    original = helper.__code__
+    try:
+        yield calls_helper
+        helper.__code__ = _cos_body.__code__
+        yield calls_helper
+    finally:
+        helper.__code__ = original
+
+
+def case_global_tensor_changed_in_place():
+    yield adds_const
+    CONST.mul_(-3)
+    try:
+        yield adds_const
+    finally:
+        CONST.div_(-3)
+
+
+def case_global_config_flag():
+    global FLAG
+    for value in (True, False):
+        FLAG = value
+        yield flagged
+    FLAG = True
+
+
+def case_config_object_attribute():
+    yield configured
+    CONFIG.negate, CONFIG.power = True, 3
+    try:
+        yield configured
+    finally:
+        CONFIG.negate, CONFIG.power = False, 2
+
+
+def case_module_attribute():  # torch.sin vs torch.cos behind a module's attribute
+    for op in (torch.sin, torch.cos):
+        OPS.act = op
+        yield through_module_attribute
+    OPS.act = torch.sin
+
+
+def case_bound_method():
+    for op in (torch.sin, torch.cos):
+        yield Activation(op).apply
+
+
+class HoldsCallable(nn.Module):
+    def __init__(self, act):
+        super().__init__()
+        self.act = act
+
+    def forward(self, t):
+        return self.act(t)
+
+
+def case_callable_object():  # an object with __call__, whose state is a function
+    for op in (torch.sin, torch.cos):
+        yield HoldsCallable(Activation(op))
+
+
+def case_environment_variable():
+    old = os.environ.get("KILN_TEST_BRANCH")
+    try:
+        for branch in ("sin", "exp"):
+            os.environ["KILN_TEST_BRANCH"] = branch
+            yield reads_environment
+    finally:
+        if old is None:
+            os.environ.pop("KILN_TEST_BRANCH", None)
+        else:
+            os.environ["KILN_TEST_BRANCH"] = old
+
+
+READ_CASES = {name[len("case_"):]: fn for name, fn in dict(globals()).items() if name.startswith("case_")}
+
+
+@pytest.mark.parametrize("case", list(READ_CASES))
+def test_what_the_code_reads_decides_the_key(cache_dir, case):
+    x = torch.randn(4)
+    for i, program in enumerate(READ_CASES[case]()):
+        if isinstance(program, nn.Module):
+            program.eval()
+        compiled = compile_ref(program, (x,), strict=True)
+        assert states(compiled)[0] == ("miss" if i == 0 else states(compiled)[0])
+        assert states(compiled)[0] != "uncacheable", case
+        torch.testing.assert_close(compiled(x), program(x), rtol=1e-5, atol=1e-6, msg=f"{case} #{i}")
+        if i == 0:  # the same program, unchanged: a hit
+            again = compile_ref(program, (x,), strict=True)
+            assert states(again)[0] == "hit", case
+            torch.testing.assert_close(again(x), program(x), rtol=1e-5, atol=1e-6)
+
+
+def test_the_first_example_in_one_process(cache_dir):
+    x = torch.randn(5)
+    results = []
+    for op in (torch.sin, torch.cos):
+        f = lambda t: op(t)  # noqa: B023 -- the closure cell holds the loop's op
+        results.append(kiln.compile(f, (x,), backend="reference", strict=True)(x))
+    torch.testing.assert_close(results[0], torch.sin(x))
+    torch.testing.assert_close(results[1], torch.cos(x))
+
+
+def test_what_cannot_be_described_is_uncacheable(cache_dir):
+    x = torch.randn(4)
+    opaque = types.SimpleNamespace(lock_free=object.__new__(type("Opaque", (), {"__slots__": ()})))
+
+    def reads_opaque(t):
+        return t + 1 if opaque.lock_free else t
+
+    compiled = compile_ref(reads_opaque, (x,))
+    assert states(compiled)[0] == "uncacheable"
+    torch.testing.assert_close(compiled(x), x + 1)
+    from kiln.compiler.fingerprint import uncacheable_reason
+
+    assert "Opaque" in uncacheable_reason(kiln.compiler.api.as_module(reads_opaque), (x,))
+
+
+def test_cache_switch_is_independent_of_the_backend(cache_dir):
+    model, x = seeded(Scaled), torch.randn(4, 8)
+    assert states(compile_ref(model, (x,), cache=False)) == ("off", "off")
+    assert not list(cache_dir.glob("*.capture.json"))
+    folder = cache_dir / "elsewhere"
+    assert states(compile_ref(model, (x,), cache_dir=str(folder)))[0] == "miss"
+    assert list(folder.glob("*.capture.json"))
+    assert states(compile_ref(model, (x,), cache_dir=str(folder)))[0] == "hit"
+    # capture_cache=False: the capture cache off, the cpu backend's compile cache still on
+    off = kiln.compile(model, (x,), backend="cpu", capture_cache=False)
+    assert states(off) == ("off", "off")
+    torch.testing.assert_close(off(x), model(x), rtol=1e-4, atol=1e-6)

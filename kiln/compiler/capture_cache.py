@@ -14,13 +14,13 @@ live in the compile-cache folder (:class:`kiln.runtime.cache.DocumentCache`):
   (``PassManager.spec()`` plus its iteration options) and kiln's source identity.  Body:
   the graph after the passes, and its nodes' locations.
 
-Guarantees: a hit gives the graphs the same capture and passes would give, provided the
-fingerprint's assumption holds (see :mod:`kiln.compiler.fingerprint`: a forward whose
-trace depends on state outside its modules' attributes, its classes' source files and the
-plain globals their methods name is not seen).  An entry that cannot be used -- damaged,
-or naming a parameter the live model lacks or has with another shape -- is a miss, and
-the next store overwrites it.  The cache is off with the backend option ``cache=False``,
-or with ``KILN_CAPTURE_CACHE=0``; its folder is the backend's ``cache_dir`` or
+Guarantees: a hit gives the graphs the same capture and passes would give: the fingerprint
+describes everything the program's code can read (see :mod:`kiln.compiler.fingerprint`,
+which also lists the little it does not see), and a program it cannot describe is always
+traced.  An entry that cannot be used -- damaged, or naming a parameter the live model
+lacks or has with another shape -- is a miss, and the next store overwrites it.  The cache
+is off with the ``kiln.compile`` option ``cache=False`` or ``capture_cache=False`` (any
+backend), or with ``KILN_CAPTURE_CACHE=0``; its folder is the ``cache_dir`` option or
 ``KILN_CACHE_DIR`` (default ``~/.cache/kiln``).  Pipelines other than pass-manager
 pipelines of registered passes (e.g. ``"learned"``, custom objects), and pipelines asked
 to dump IR (``KILN_DUMP_IR``), always run.
@@ -46,6 +46,8 @@ from .fingerprint import kiln_source_identity, model_fingerprint
 CAPTURE_KIND = "capture"
 PASSES_KIND = "passes"
 ENV_SWITCH = "KILN_CAPTURE_CACHE"
+COMPILE_OPTIONS = ("cache", "cache_dir", "capture_cache")
+"""``kiln.compile`` options that govern the capture cache whatever the backend."""
 _OFF = ("0", "false", "no", "off")
 
 
@@ -57,10 +59,22 @@ class CaptureCache:
 
     @classmethod
     def for_options(cls, options: Mapping[str, Any]) -> CaptureCache:
-        """The cache the backend ``options`` ask for (``cache``, ``cache_dir``) and
-        ``KILN_CAPTURE_CACHE`` allows."""
-        enabled = bool(options.get("cache", True)) and os.environ.get(ENV_SWITCH, "1").lower() not in _OFF
+        """The cache the ``kiln.compile`` options ask for and ``KILN_CAPTURE_CACHE`` allows:
+        ``capture_cache`` (this cache only), else ``cache`` (this cache and the backend's
+        compile cache, where it has one); ``cache_dir`` its folder.  Any backend."""
+        switch = options.get("capture_cache")
+        if switch is None:
+            switch = options.get("cache", True)
+        enabled = bool(switch) and os.environ.get(ENV_SWITCH, "1").lower() not in _OFF
         return cls(DocumentCache(options.get("cache_dir"), enabled=enabled))
+
+    @staticmethod
+    def backend_options(options: Mapping[str, Any], backend: Any) -> dict[str, Any]:
+        """``options`` without the capture-cache switches the backend has no option for
+        (``capture_cache`` always; ``cache``/``cache_dir`` unless the backend takes them)."""
+        known = getattr(backend, "option_defaults", {})
+        return {k: v for k, v in options.items()
+                if k not in COMPILE_OPTIONS or (k != "capture_cache" and k in known)}
 
     @property
     def enabled(self) -> bool:
@@ -169,4 +183,4 @@ def _live_tensor(model: torch.nn.Module, target: str) -> torch.Tensor | None:
     return None
 
 
-__all__ = ["CAPTURE_KIND", "ENV_SWITCH", "PASSES_KIND", "CaptureCache"]
+__all__ = ["CAPTURE_KIND", "COMPILE_OPTIONS", "ENV_SWITCH", "PASSES_KIND", "CaptureCache"]

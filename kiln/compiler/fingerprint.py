@@ -1,43 +1,57 @@
 """Model fingerprints: a key for a captured program, computed without tracing the model.
 
 :func:`model_fingerprint` hashes what decides the program ``torch.export`` records for a
-module called on example inputs:
+module called on example inputs -- everything the program's code can read:
 
-* for every module in ``model.modules()``: its path, its class's qualified name, the
-  hash of the source file of every class in its MRO (classes from torch are identified by
-  the torch version instead) and the installed version of the package they come from; the
-  closure cells, defaults and plain global values (numbers, strings, tuples, tensors)
-  that those classes' methods refer to; its ``training`` flag and its other attributes
-  (config objects, numbers, strings, tuples, dtypes, functions ...), described
-  recursively;
+* for every module in ``model.modules()``: its path, its class (a namespace, below), its
+  ``training`` flag and its other attributes, described recursively;
 * every parameter and buffer: name, shape, dtype, device, ``requires_grad``, persistence,
   and which names share one tensor (tied weights) -- never the values, which kiln reads
-  live at every call; tensors that are plain attributes (constants) by their contents;
+  live at every call; tensors anywhere else (attributes, globals, closures) by content;
+* every Python function reached (``forward`` stored on a module, methods, closures,
+  defaults, globals, a bound method's ``__func__``, a ``functools.partial``'s function):
+  its qualified name, source file hash and bytecode digest, its closure cells, defaults,
+  ``__dict__``, the value of every global its code (and nested code) loads, builtins
+  included, and the modules it imports -- each value described the same way, so a global
+  function's own globals are covered, recursively;
+* classes and Python modules as *namespaces*: a class by its MRO's source file hashes and
+  package versions, and both by every member whose name some reached code reads as an
+  attribute (``co_names``, plus ``forward`` and the dunders Python calls implicitly), in
+  every class of the MRO (:meth:`_Describer.settle` repeats until no new name turns up);
 * the example inputs' pytree structure, the tensors' shapes, dtypes, devices and
   ``requires_grad``, and non-tensor inputs by value;
 * torch's version, Python's, kiln's sources (:func:`kiln_source_identity`), the default
   dtype and the grad mode.
 
-Assumption (the capture cache depends on it): a forward whose trace depends on anything
-else -- global state outside its modules' attributes, the classes' source files and the
-referenced plain globals, e.g. a helper function in another edited but not reinstalled
-file, an environment variable, a global flag read through a function -- may be served a
-stale program.  Turn the capture cache off with ``cache=False`` or ``KILN_CAPTURE_CACHE=0``.
+Functions and classes of torch and of the standard library are identified by qualified
+name (their versions are in the key); functions of installed packages (``site-packages``,
+with a version) by name, file hash, version, code, closure and the plain values among the
+globals they load -- their further reads are not followed.  Loggers, locks, sentinels
+(``object()``) and context variables (by current value) are described by what they are.
 
-Models the fingerprint cannot describe safely -- forward or backward hooks, modules or
-objects outside ``model.modules()`` reached from attributes, objects known only by their
-address -- get ``None``: they are always traced.
+Anything else the description cannot pin down -- forward or backward hooks, modules
+outside ``model.modules()``, objects known only by their address, a program reaching more
+than ``_MAX_FUNCTIONS`` functions or nesting deeper than ``_MAX_DEPTH`` -- makes the model
+uncacheable: :func:`model_fingerprint` gives ``None`` (always traced) and
+:func:`uncacheable_reason` says why.  Not seen: torch's and the standard library's own
+module state and installed packages' non-plain module globals.  Turn the capture cache
+off with ``cache=False`` / ``capture_cache=False`` or ``KILN_CAPTURE_CACHE=0``.
 """
 
 from __future__ import annotations
 
+import contextvars
+import dis
 import enum
 import functools
 import hashlib
 import importlib.metadata
+import importlib.util
 import inspect
+import logging
 import os
 import sys
+import threading
 import types
 from collections.abc import Mapping
 from pathlib import Path
@@ -47,8 +61,9 @@ import numpy as np
 import torch
 from torch.utils import _pytree as pytree
 
-FINGERPRINT_VERSION = 1
-_MAX_DEPTH = 40  # decorator chains nest functions in closures
+FINGERPRINT_VERSION = 2
+_MAX_DEPTH = 64  # value nesting: calls through globals, decorator chains in closures
+_MAX_FUNCTIONS = 4000  # Python functions one program may reach before it is uncacheable
 _MAX_TENSOR_BYTES = 64 << 20
 _PLAIN = (type(None), bool, int, float, complex, str, bytes)
 _MODULE_INTERNALS = frozenset(vars(torch.nn.Module()))
@@ -116,164 +131,417 @@ def _is_torch(module_name: str) -> bool:
     return module_name == "torch" or module_name.startswith("torch.")
 
 
+def _is_trusted(module_name: str) -> bool:
+    """torch's and Python's standard library's modules: their code is fixed by the versions
+    in the key, so their functions and classes are identified by qualified name."""
+    return _is_torch(module_name) or module_name.partition(".")[0] in _STDLIB
+
+
+_STDLIB = frozenset(sys.stdlib_module_names) | {"builtins"}
+
+
+@functools.lru_cache(maxsize=256)
+def _installed(module_name: str) -> bool:
+    """Whether the module's package is installed (in a ``site-packages`` folder, with a
+    version), not code under development: then its version and file hashes stand for its
+    code.  kiln itself and the user's own modules are never installed in this sense."""
+    top = module_name.partition(".")[0]
+    if not top or top in _STDLIB or _is_torch(top) or top == "kiln":
+        return False
+    module = sys.modules.get(top)
+    path = getattr(module, "__file__", None) or ""
+    parts = Path(path).parts
+    return ("site-packages" in parts or "dist-packages" in parts) and package_version(top) != ""
+
+
+# ----------------------------------------------------------------- reading code
+_GLOBAL_OPS = frozenset({"LOAD_GLOBAL", "LOAD_NAME", "STORE_GLOBAL", "DELETE_GLOBAL", "STORE_NAME",
+                         "DELETE_NAME"})
+
+
+@functools.lru_cache(maxsize=8192)
+def _code_reads(code: types.CodeType) -> tuple[frozenset[str], frozenset[str], frozenset[tuple[str, int]]]:
+    """What ``code`` and the code objects nested in it can name: (global names, attribute
+    names, imported modules as ``(name, level)``).  Attribute names are every name in
+    ``co_names`` (a superset: global names are in it too)."""
+    globals_: set[str] = set()
+    attrs: set[str] = set(code.co_names)
+    imports: set[tuple[str, int]] = set()
+    consts: list[Any] = []
+    for ins in dis.get_instructions(code):
+        if ins.opname in _GLOBAL_OPS:
+            globals_.add(ins.argval)
+        elif ins.opname == "IMPORT_NAME":
+            level = consts[-2] if len(consts) >= 2 and isinstance(consts[-2], int) else 0
+            imports.add((ins.argval, level))
+        consts = consts[-1:] + [ins.argval] if ins.opname == "LOAD_CONST" else []
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            g, a, i = _code_reads(const)
+            globals_ |= g
+            attrs |= a
+            imports |= i
+    return frozenset(globals_), frozenset(attrs), frozenset(imports)
+
+
 # ----------------------------------------------------------------- describing values
 class _Describer:
-    """Turns model state into stable text; raises :class:`Uncacheable` when it cannot."""
+    """Turns a program -- modules, functions, the values they can read -- into stable text;
+    raises :class:`Uncacheable` when it cannot.
 
-    def __init__(self, tree_modules: set[int]):
-        self.tree_modules = tree_modules
-        self.seen: dict[tuple[int, bool], str] = {}
-        self.classes: dict[type, str] = {}
-        self.active: set[tuple[int, bool]] = set()
+    Functions and objects are described inline (once each, memoized).  Classes and Python
+    modules are *namespaces*: described by a numbered label inline, and at the end
+    (:meth:`settle`) by every member whose name some described code reads as an attribute
+    (``co_names``, plus ``forward`` and the dunder methods Python calls implicitly), so a
+    method reached through ``self.helper(...)`` or a function through ``mod.fn(...)`` is
+    part of the key, in whatever class of the MRO or module it lives.
+    """
+
+    def __init__(self, tree_modules: Mapping[int, str]):
+        self.tree_modules = tree_modules  # id -> path in the model
+        self.seen: dict[int, str] = {}
+        self.active: set[int] = set()
         self.keep: list[Any] = []  # described objects stay alive, so their ids stay unique
-        self.lenient = False  # inside a class's own functions: opaque objects by type only
+        self.namespaces: dict[int, str] = {}  # id -> label
+        self.order: list[Any] = []
+        self.members: dict[int, dict[str, str]] = {}
+        self.checked: dict[int, set[str]] = {}
+        self.attr_names: set[str] = set(_ALWAYS_READ)
+        self.functions = 0
 
-    def value(self, v: Any, depth: int = 0) -> str:
+    # ------------------------------------------------------------- values
+    def value(self, v: Any, depth: int = 0, torch_owned: bool = False, module_member: bool = False) -> str:
         if depth > _MAX_DEPTH:
-            raise Uncacheable("an attribute is nested too deeply to describe")
+            raise Uncacheable("the program nests values or calls too deeply to describe")
         if isinstance(v, _PLAIN):
             return f"{type(v).__name__}:{v!r}"
         if isinstance(v, (torch.dtype, torch.device, torch.layout, torch.memory_format)):
             return repr(v)
         if isinstance(v, enum.Enum):
-            return f"{type(v).__module__}.{type(v).__qualname__}.{v.name}"
+            return f"{self.namespace(type(v))}.{v.name}"
         if isinstance(v, torch.nn.Module):
             if id(v) in self.tree_modules:
-                return f"module {type(v).__qualname__}"
-            raise Uncacheable(f"an attribute holds a {type(v).__name__} module outside model.modules()")
+                return f"module {self.tree_modules[id(v)]!r}"
+            raise Uncacheable(f"the program reaches a {type(v).__name__} module outside model.modules()")
         if isinstance(v, torch.Tensor):
             return self.tensor(v)
         if isinstance(v, np.ndarray):
+            if v.dtype == object:
+                raise Uncacheable("the program reaches a numpy array of objects")
             return f"ndarray {v.dtype} {v.shape} {hashlib.sha256(np.ascontiguousarray(v).tobytes()).hexdigest()[:16]}"
         if isinstance(v, np.generic):
             return f"{type(v).__name__}:{v!r}"
-        if isinstance(v, type):
-            return self.cls(v)
-        if isinstance(v, types.ModuleType):
-            return f"pymodule {v.__name__}"
-        return self.memoized(v, depth)
+        if isinstance(v, (type, types.ModuleType)):
+            return self.namespace(v)
+        if isinstance(v, logging.Logger):  # emits messages only; never decides a trace
+            return f"logger {v.name}"
+        if type(v) is object:  # a sentinel: compared by identity, holds nothing
+            return "object()"
+        if isinstance(v, _LOCKS):  # guards state; holds none of its own that a trace reads
+            return f"lock {type(v).__qualname__}"
+        if isinstance(v, (types.GetSetDescriptorType, types.MemberDescriptorType)):
+            return f"descriptor {v.__objclass__.__qualname__}.{v.__name__}"  # the data is the instance's
+        if isinstance(v, contextvars.ContextVar):
+            current = v.get(_UNSET)
+            return f"contextvar {v.name}=" + ("<unset>" if current is _UNSET else self.value(current, depth + 1))
+        return self.memoized(v, depth, torch_owned, module_member)
 
-    def memoized(self, v: Any, depth: int) -> str:
+    def memoized(self, v: Any, depth: int, torch_owned: bool, module_member: bool = False) -> str:
         """Functions, containers and objects, each described once per fingerprint."""
-        key = (id(v), self.lenient)
+        key = id(v)
         if key in self.active:
-            return "<cycle>"
+            return "<cycle>"  # the object is being described further up: its text is in the key
         if key in self.seen:
             return self.seen[key]
         self.active.add(key)
         try:
-            if isinstance(v, (types.FunctionType, types.MethodType, types.BuiltinFunctionType,
-                              functools.partial)) or (callable(v) and hasattr(v, "__code__")):
-                text = self.function(v, depth)
+            if isinstance(v, _FUNCTION_TYPES) or (callable(v) and hasattr(v, "__code__")):
+                text = self.function(v, depth, module_member)
             else:
-                text = self._describe_compound(v, depth)
+                text = self.compound(v, depth, torch_owned)
         finally:
             self.active.discard(key)
         self.seen[key] = text = _short(text)
         self.keep.append(v)
         return text
 
-    def _describe_compound(self, v: Any, depth: int) -> str:
-        kind = f"{type(v).__module__}.{type(v).__qualname__}"
+    def compound(self, v: Any, depth: int, torch_owned: bool) -> str:
+        t = type(v)
+        if _is_torch(t.__module__):
+            text = repr(v)
+            if " at 0x" not in text and len(text) < 512:
+                return f"torch {t.__module__}.{t.__qualname__} {text}"
+            if torch_owned:  # torch's own state behind a name in a torch module: torch's version
+                return f"torch object {t.__module__}.{t.__qualname__}"
+            state = getattr(v, "__dict__", None)
+            if isinstance(state, dict):  # e.g. a torch decorator's context object in a closure
+                return f"torch {t.__module__}.{t.__qualname__} state {self.compound(state, depth + 1, False)}"
+            raise Uncacheable(f"the program reaches a {t.__qualname__} object known only by its address")
+        kind = t.__qualname__ if t.__module__ == "builtins" else self.namespace(t)
+        parts = []
         if isinstance(v, (tuple, list)):
-            return f"{kind}[" + ", ".join(self.value(x, depth + 1) for x in v) + "]"
-        if isinstance(v, (set, frozenset)):
-            return f"{kind}{{" + ", ".join(sorted(self.value(x, depth + 1) for x in v)) + "}"
-        if isinstance(v, Mapping):
+            parts.append("[" + ", ".join(self.value(x, depth + 1) for x in v) + "]")
+        elif isinstance(v, (set, frozenset)):
+            parts.append("{" + ", ".join(sorted(self.value(x, depth + 1) for x in v)) + "}")
+        elif isinstance(v, Mapping):
             items = sorted((self.value(k, depth + 1), self.value(x, depth + 1)) for k, x in v.items())
-            return f"{kind}{{" + ", ".join(f"{k}: {x}" for k, x in items) + "}"
+            parts.append("{" + ", ".join(f"{k}: {x}" for k, x in items) + "}")
         state = getattr(v, "__dict__", None)
         if isinstance(state, dict):
             state = {k: x for k, x in state.items() if k not in _VOLATILE_ATTRIBUTES}
-            return f"{self.cls(type(v))} " + self._describe_compound(state, depth + 1)
+            parts.append("state " + self.compound(state, depth + 1, False))
+        slots = [name for c in t.__mro__ for name in _slot_names(c)]
+        if slots:
+            parts.append("slots " + ", ".join(
+                f"{name}={self.value(getattr(v, name), depth + 1) if hasattr(v, name) else '<unset>'}"
+                for name in slots))
+        if parts:
+            return f"{kind} " + " ".join(parts)
+        if t.__module__ == "builtins" and t in _OPAQUE_BUILTINS:
+            raise Uncacheable(f"the program reaches a {t.__qualname__} object")
         text = repr(v)
-        if " at 0x" not in text:
-            return f"{kind} {text}"
-        if self.lenient:  # e.g. a decorator's state, fixed when its (hashed) source was imported
-            return f"{kind} <opaque>"
-        raise Uncacheable(f"an attribute of type {kind} is known only by its address")
+        if " at 0x" in text or t.__module__ == "builtins" and t not in _DESCRIBED_BY_REPR:
+            if torch_owned:  # state of the standard library behind a module's name
+                return f"{kind} <opaque>"
+            raise Uncacheable(f"the program reaches a {t.__qualname__} object known only by its address")
+        return f"{kind} {text}"
 
     def tensor(self, t: torch.Tensor) -> str:
         head = f"tensor {type(t).__name__} {tuple(t.shape)} {t.dtype} {t.device} {t.requires_grad}"
         if t.device.type == "meta" or isinstance(t, torch._subclasses.FakeTensor):
-            raise Uncacheable("a tensor attribute has no data")
+            raise Uncacheable("a tensor the program reads has no data")
         size = t.numel() * t.element_size()
         if size > _MAX_TENSOR_BYTES:
-            raise Uncacheable(f"a tensor attribute of {size} bytes is too large to hash")
+            raise Uncacheable(f"a tensor of {size} bytes the program reads is too large to hash")
         data = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
         return f"{head} {hashlib.sha256(data).hexdigest()[:16]}"
 
-    def cls(self, c: type) -> str:
-        """A class's identity: name, source-file hashes of its MRO, package versions, and
-        the closures, defaults and plain globals of its own functions."""
-        known = self.classes.get(c)
-        if known is not None:
-            return known
-        self.classes[c] = f"class {c.__module__}.{c.__qualname__}"  # cuts recursion through globals
-        parts = []
-        for base in c.__mro__:
-            if base is object or _is_torch(base.__module__):
-                parts.append(f"{base.__module__}.{base.__qualname__}")
-                continue
-            source = inspect.getsourcefile(base) if base.__module__ in sys.modules else None
-            parts.append(f"{base.__module__}.{base.__qualname__}@{file_hash(source)}"
-                         f"/{package_version(base.__module__.partition('.')[0])}")
-            for name, member in sorted(vars(base).items()):
-                if isinstance(member, (staticmethod, classmethod)):
-                    member = member.__func__
-                if isinstance(member, property):
-                    member = member.fget
-                if isinstance(member, types.FunctionType):
-                    parts.append(f"{name}: {self._lenient_function_state(member)}")
-                elif isinstance(member, _PLAIN) and not name.startswith("__"):
-                    parts.append(f"{name}={self.value(member)}")
-        text = _short(f"class {c.__module__}.{c.__qualname__} (" + "; ".join(parts) + ")")
-        self.classes[c] = text
-        return text
-
-    def _lenient_function_state(self, fn: types.FunctionType) -> str:
-        lenient, self.lenient = self.lenient, True
-        try:
-            return self._function_state(fn, 1)
-        finally:
-            self.lenient = lenient
-
-    def function(self, fn: Any, depth: int) -> str:
+    # ------------------------------------------------------------- functions
+    def function(self, fn: Any, depth: int, module_member: bool = False) -> str:
         if isinstance(fn, functools.partial):
             return (f"partial {self.value(fn.func, depth + 1)} {self.value(fn.args, depth + 1)} "
-                    f"{self.value(fn.keywords, depth + 1)}")
+                    f"{self.value(fn.keywords, depth + 1)} {self.value(vars(fn), depth + 1)}")
         if isinstance(fn, types.MethodType):
-            owner = fn.__self__
-            bound = f"module {type(owner).__qualname__}" if id(owner) in self.tree_modules \
-                else self.value(owner, depth + 1)
-            return f"method of {bound}: {self.function(fn.__func__, depth + 1)}"
-        name = f"{getattr(fn, '__module__', None)}.{getattr(fn, '__qualname__', type(fn).__name__)}"
-        code = getattr(fn, "__code__", None)
-        if code is None:
-            return f"builtin {name}"
+            return (f"method of {self.owner(fn.__self__, depth, module_member)}: "
+                    f"{self.value(fn.__func__, depth + 1)}")
         module = getattr(fn, "__module__", None) or ""
-        if _is_torch(module):
+        name = f"{module}.{getattr(fn, '__qualname__', getattr(fn, '__name__', type(fn).__name__))}"
+        code = getattr(fn, "__code__", None)
+        if code is None:  # a builtin: its name, and the object it is bound to
+            owner = getattr(fn, "__self__", None)
+            if owner is None or isinstance(owner, (type, types.ModuleType)):
+                return f"builtin {name}"
+            return f"builtin {name} of {self.owner(owner, depth, module_member)}"
+        if _is_trusted(module):
             return f"fn {name}"
         if not isinstance(fn, types.FunctionType):
-            return f"callable {name} code={_code_digest(code)}"
-        return f"fn {name}@{file_hash(code.co_filename)} {self._function_state(fn, depth)}"
-
-    def _function_state(self, fn: types.FunctionType, depth: int) -> str:
-        """Its code, closure cells, defaults and the plain globals the code names."""
+            return f"callable {self.namespace(type(fn))} {name} code={_code_digest(code)}"
+        if _installed(module):
+            return self.installed_function(fn, name, depth)
+        self.functions += 1
+        if self.functions > _MAX_FUNCTIONS:
+            raise Uncacheable(f"the program reaches more than {_MAX_FUNCTIONS} Python functions")
+        globals_, attrs, imports = _code_reads(code)
+        self.attr_names |= attrs
         cells = [self.value(c.cell_contents, depth + 1) if _cell_filled(c) else "<empty>"
                  for c in fn.__closure__ or ()]
-        parts = [f"code={_code_digest(fn.__code__)}", f"closure={cells}",
-                 f"defaults={self.value(fn.__defaults__, depth + 1)}",
+        parts = [f"fn {name}@{_source_hash(code.co_filename)}", f"code={_code_digest(code)}",
+                 f"closure=[{', '.join(cells)}]", f"defaults={self.value(fn.__defaults__, depth + 1)}",
                  f"kwdefaults={self.value(fn.__kwdefaults__, depth + 1)}"]
+        if fn.__dict__:
+            parts.append(f"attrs={self.value(fn.__dict__, depth + 1)}")
         scope = fn.__globals__
-        for name in sorted(_global_names(fn.__code__)):
-            if name not in scope:
-                continue
-            value = scope[name]
+        builtins_ = fn.__builtins__ if isinstance(fn.__builtins__, dict) else vars(fn.__builtins__)
+        for gname in sorted(globals_):
+            if gname in scope:
+                parts.append(f"{gname}={self.value(scope[gname], depth + 1)}")
+            elif gname in builtins_:
+                parts.append(f"{gname}=builtins:{self.value(builtins_[gname], depth + 1)}")
+            else:
+                parts.append(f"{gname}=<unbound>")
+        for module_name, level in sorted(imports):
+            parts.append(f"import {'.' * level}{module_name}={self.imported(module_name, level, scope)}")
+        return " ".join(parts)
+
+    def installed_function(self, fn: types.FunctionType, name: str, depth: int) -> str:
+        """A function of an installed package: its code is fixed by the package's version and
+        file; described by those, its code, its closure and defaults (objects of installed
+        or trusted types that cannot be described by their type) and the plain values and
+        tensors among the globals it names.  Its own reads are not followed further."""
+        code = fn.__code__
+        globals_, _, _ = _code_reads(code)
+        top = name.partition(".")[0]
+        parts = [f"installed fn {name}@{_source_hash(code.co_filename)}/{package_version(top)}",
+                 f"code={_code_digest(code)}",
+                 "closure=[" + ", ".join(self.tolerant(c.cell_contents, depth) if _cell_filled(c) else "<empty>"
+                                         for c in fn.__closure__ or ()) + "]",
+                 f"defaults={self.tolerant(fn.__defaults__, depth)}",
+                 f"kwdefaults={self.tolerant(fn.__kwdefaults__, depth)}"]
+        scope = fn.__globals__
+        for gname in sorted(globals_):
+            value = scope.get(gname)
             if isinstance(value, (*_PLAIN, torch.Tensor)) or (
                     isinstance(value, tuple) and all(isinstance(x, _PLAIN) for x in value)):
-                parts.append(f"{name}={self.value(value, depth + 1)}")
+                parts.append(f"{gname}={self.value(value, depth + 1)}")
         return " ".join(parts)
+
+    def tolerant(self, v: Any, depth: int) -> str:
+        """``v`` described, or -- for an object of an installed or trusted type that cannot
+        be described, e.g. a decorator's state -- its type."""
+        try:
+            return self.value(v, depth + 1)
+        except Uncacheable:
+            module = type(v).__module__
+            if _installed(module) or _is_trusted(module):
+                return f"<opaque {module}.{type(v).__qualname__}>"
+            raise
+
+    def owner(self, owner: Any, depth: int, module_member: bool) -> str:
+        """The object a method is bound to."""
+        try:
+            return self.value(owner, depth + 1)
+        except Uncacheable:
+            if not module_member:
+                raise
+            # e.g. numpy.random.bytes, bound to the module's RandomState: such state decides
+            # only random draws, which a trace cannot keep anyway
+            return f"a {type(owner).__module__}.{type(owner).__qualname__}"
+
+    def imported(self, name: str, level: int, scope: Mapping[str, Any]) -> str:
+        if level:
+            package = scope.get("__package__") or ""
+            try:
+                name = importlib.util.resolve_name("." * level + name, package)
+            except (ImportError, ValueError):
+                raise Uncacheable(f"a relative import of {name!r} cannot be resolved") from None
+        labels = []
+        for i, part in enumerate(name.split(".")):
+            prefix = ".".join(name.split(".")[: i + 1])
+            module = sys.modules.get(prefix)
+            labels.append(self.namespace(module) if module is not None else f"<{prefix} not imported>")
+        return ", ".join(labels)
+
+    # ------------------------------------------------------------- namespaces
+    def namespace(self, ns: type | types.ModuleType) -> str:
+        """A class's or module's label; its members are described by :meth:`settle`."""
+        if isinstance(ns, type):
+            if _is_trusted(ns.__module__):
+                return f"class {ns.__module__}.{ns.__qualname__}"  # fixed by Python's or torch's version
+            kind, name = "class", f"{ns.__module__}.{ns.__qualname__}"
+        else:
+            kind, name = "pymodule", ns.__name__
+        label = self.namespaces.get(id(ns))
+        if label is None:
+            label = self.namespaces[id(ns)] = f"{kind}#{len(self.order)} {name}"
+            self.order.append(ns)
+            self.keep.append(ns)
+            self.members[id(ns)] = {}
+            self.checked[id(ns)] = set()
+        return label
+
+    def settle(self) -> None:
+        """Describe the namespaces' members read by name until no new name or namespace turns up."""
+        progressed = True
+        while progressed:
+            progressed = False
+            for ns in list(self.order):
+                checked = self.checked[id(ns)]
+                pending = sorted(self.attr_names - checked)
+                if not pending:
+                    continue
+                progressed = True
+                for name in pending:
+                    checked.add(name)
+                    text = self.member(ns, name)
+                    if text is not None:
+                        self.members[id(ns)][name] = text
+
+    def member(self, ns: type | types.ModuleType, name: str) -> str | None:
+        if isinstance(ns, types.ModuleType):
+            scope = vars(ns)
+            if name not in scope:
+                return None
+            return self.value(scope[name], 1, torch_owned=_is_trusted(ns.__name__), module_member=True)
+        found = []
+        for base in ns.__mro__:
+            if _is_trusted(base.__module__):
+                continue
+            if name in vars(base):
+                found.append(f"{base.__qualname__}: {self.class_member(vars(base)[name])}")
+        return "; ".join(found) or None
+
+    def class_member(self, member: Any) -> str:
+        if isinstance(member, (staticmethod, classmethod)):
+            return f"{type(member).__name__} {self.value(member.__func__, 1)}"
+        if isinstance(member, property):
+            return "property " + ", ".join(self.value(f, 1) for f in (member.fget, member.fset, member.fdel))
+        if isinstance(member, functools.cached_property):
+            return f"cached_property {self.value(member.func, 1)}"
+        return self.value(member, 1)
+
+    def namespace_lines(self) -> list[str]:
+        lines = []
+        for ns in self.order:
+            head = self.namespaces[id(ns)]
+            if isinstance(ns, type):
+                head += " (" + "; ".join(_class_source(base) for base in ns.__mro__) + ")"
+            elif getattr(ns, "__file__", None) and not _is_trusted(ns.__name__):
+                head += f" @{_source_hash(ns.__file__)}"
+            members = self.members[id(ns)]
+            lines.append(head + "".join(f"\n  {name}: {members[name]}" for name in sorted(members)))
+        return lines
+
+
+_FUNCTION_TYPES = (types.FunctionType, types.MethodType, types.BuiltinFunctionType, types.BuiltinMethodType,
+                   types.WrapperDescriptorType, types.MethodWrapperType, types.MethodDescriptorType,
+                   types.ClassMethodDescriptorType, functools.partial)
+# names Python and torch read on objects without the code naming them
+_ALWAYS_READ = frozenset({
+    # an autograd.Function's backward shapes the captured graph though no model code names it
+    "backward", "setup_context", "vjp", "jvp",
+    "forward", "__call__", "__getattr__", "__getattribute__", "__getitem__", "__setitem__", "__delitem__",
+    "__len__", "__iter__", "__next__", "__contains__", "__bool__", "__index__", "__int__", "__float__",
+    "__enter__", "__exit__", "__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__", "__hash__",
+    "__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__matmul__", "__rmatmul__",
+    "__truediv__", "__rtruediv__", "__floordiv__", "__mod__", "__pow__", "__rpow__", "__neg__", "__pos__",
+    "__abs__", "__and__", "__or__", "__xor__", "__invert__", "__iadd__", "__imul__", "__get__",
+    "__set__", "__torch_function__", "__torch_dispatch__", "__format__", "__str__", "__repr__",
+})
+_DESCRIBED_BY_REPR = frozenset({range, slice, type(Ellipsis), type(NotImplemented), complex, bytearray,
+                                memoryview})
+_OPAQUE_BUILTINS = frozenset({types.GeneratorType, types.CoroutineType, types.FrameType})
+
+
+_UNSET = object()
+_LOCKS = (type(threading.Lock()), type(threading.RLock()), threading.Condition, threading.Semaphore,
+          threading.Event)
+
+
+def _slot_names(cls: type) -> list[str]:
+    slots = vars(cls).get("__slots__", ())
+    if isinstance(slots, str):
+        slots = (slots,)
+    return [s for s in slots if s not in ("__dict__", "__weakref__")]
+
+
+def _source_hash(path: str | None) -> str:
+    """A source file's hash, or ``-`` for code without a readable file (``exec``, ``-c``):
+    then the code objects themselves are the description."""
+    try:
+        return file_hash(path)
+    except Uncacheable:
+        return "-"
+
+
+def _class_source(base: type) -> str:
+    if _is_trusted(base.__module__):
+        return f"{base.__module__}.{base.__qualname__}"
+    try:
+        source = inspect.getsourcefile(base) if base.__module__ in sys.modules else None
+    except TypeError:
+        source = None
+    return (f"{base.__module__}.{base.__qualname__}@{_source_hash(source)}"
+            f"/{package_version(base.__module__.partition('.')[0])}")
 
 
 def _short(text: str) -> str:
@@ -285,20 +553,21 @@ def _short(text: str) -> str:
 
 def _cell_filled(cell: Any) -> bool:
     try:
-        return cell.cell_contents is not _MISSING_CELL
+        _ = cell.cell_contents
     except ValueError:  # a cell not assigned yet
         return False
+    return True
 
 
-_MISSING_CELL = object()
-
-
-@functools.lru_cache(maxsize=4096)
+@functools.lru_cache(maxsize=8192)
 def _code_digest(code: types.CodeType) -> str:
-    """A digest of what a code object does (two lambdas on one source line differ)."""
+    """A digest of what a code object does, and where (two lambdas on one source line differ;
+    moved lines change the source locations a capture records)."""
     consts = [_const_text(c) for c in code.co_consts]
-    text = repr((code.co_firstlineno, code.co_code.hex(), consts, code.co_names, code.co_varnames,
-                 code.co_freevars))
+    text = repr((code.co_filename, code.co_name, code.co_firstlineno, code.co_code.hex(), consts,
+                 code.co_names, code.co_varnames, code.co_freevars, code.co_cellvars, code.co_flags,
+                 code.co_argcount, code.co_kwonlyargcount, code.co_posonlyargcount,
+                 code.co_linetable.hex()))
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -311,15 +580,6 @@ def _const_text(c: Any) -> str:
     return f"{type(c).__name__}:{c!r}"
 
 
-@functools.lru_cache(maxsize=4096)
-def _global_names(code: types.CodeType) -> frozenset[str]:
-    names = set(code.co_names)
-    for const in code.co_consts:
-        if isinstance(const, types.CodeType):
-            names |= _global_names(const)
-    return frozenset(names)
-
-
 # ----------------------------------------------------------------- the fingerprint
 def _module_lines(model: torch.nn.Module, describe: _Describer) -> list[str]:
     lines = []
@@ -328,7 +588,7 @@ def _module_lines(model: torch.nn.Module, describe: _Describer) -> list[str]:
         if any(getattr(module, name, None) for name in _HOOK_DICTS):
             raise Uncacheable(f"module '{path}' has hooks")
         state = {k: v for k, v in vars(module).items() if k not in _MODULE_INTERNALS}
-        lines.append(f"module {path!r}: {describe.cls(type(module))} training={module.training} "
+        lines.append(f"module {path!r}: {describe.namespace(type(module))} training={module.training} "
                      f"attrs={describe.value(state)}")
         non_persistent = module._non_persistent_buffers_set
         for kind, tensors in (("param", module._parameters), ("buffer", module._buffers)):
@@ -356,14 +616,16 @@ def _input_lines(args: tuple[Any, ...], kwargs: Mapping[str, Any], describe: _De
     return lines
 
 
-def model_fingerprint(model: torch.nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any] | None = None,
-                      *, extra: str = "") -> str | None:
-    """The sha256 hex key of (model, example inputs) -- see the module docstring -- or
-    ``None`` when the model cannot be fingerprinted safely.  ``extra`` is hashed too."""
+def fingerprint_text(model: torch.nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any] | None = None,
+                     *, extra: str = "") -> str:
+    """The text :func:`model_fingerprint` hashes; raises :class:`Uncacheable` saying why
+    the model cannot be fingerprinted safely."""
     module_hooks = torch.nn.modules.module
     if any(getattr(module_hooks, name, None) for name in _GLOBAL_HOOKS):
-        return None
-    tree = {id(m) for m in model.modules()}
+        raise Uncacheable("global module hooks are registered")
+    tree: dict[int, str] = {}
+    for path, module in model.named_modules(remove_duplicate=False):
+        tree.setdefault(id(module), path)
     describe = _Describer(tree)
     try:
         lines = [f"kiln-fingerprint {FINGERPRINT_VERSION}", kiln_source_identity(),
@@ -371,10 +633,33 @@ def model_fingerprint(model: torch.nn.Module, args: tuple[Any, ...], kwargs: Map
                  f"default-dtype {torch.get_default_dtype()} grad {torch.is_grad_enabled()}", extra]
         lines += _module_lines(model, describe)
         lines += _input_lines(args, kwargs or {}, describe)
-    except (Uncacheable, TypeError, OSError, RecursionError):
+        describe.settle()
+        lines += describe.namespace_lines()
+    except (TypeError, OSError, RecursionError, AttributeError, ValueError) as e:
+        raise Uncacheable(f"describing the program failed ({type(e).__name__}: {e})") from None
+    return "\n".join(lines)
+
+
+def model_fingerprint(model: torch.nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any] | None = None,
+                      *, extra: str = "") -> str | None:
+    """The sha256 hex key of (model, example inputs) -- see the module docstring -- or
+    ``None`` when the model cannot be fingerprinted safely.  ``extra`` is hashed too."""
+    try:
+        text = fingerprint_text(model, args, kwargs, extra=extra)
+    except Uncacheable:
         return None
-    return hashlib.sha256("\n".join(lines).encode()).hexdigest()
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
-__all__ = ["FINGERPRINT_VERSION", "Uncacheable", "file_hash", "kiln_source_identity", "model_fingerprint",
-           "package_version"]
+def uncacheable_reason(model: torch.nn.Module, args: tuple[Any, ...],
+                       kwargs: Mapping[str, Any] | None = None) -> str | None:
+    """Why :func:`model_fingerprint` gives ``None`` for this model (``None`` when it does not)."""
+    try:
+        fingerprint_text(model, args, kwargs)
+    except Uncacheable as e:
+        return str(e)
+    return None
+
+
+__all__ = ["FINGERPRINT_VERSION", "Uncacheable", "file_hash", "fingerprint_text", "kiln_source_identity",
+           "model_fingerprint", "package_version", "uncacheable_reason"]

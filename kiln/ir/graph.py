@@ -129,8 +129,10 @@ class Graph:
                 return name
 
     def _claim(self, name: str) -> str:
-        if not _NAME_RE.match(name):
-            raise ValueError(f"invalid value name {name!r}: use letters, digits, '_' and '.'")
+        """Reserve ``name``: any non-empty string (names from PyTorch are data: ``0.weight``,
+        ``ModuleDict`` keys; the text form quotes what is not a plain identifier)."""
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"invalid value name {name!r}: a value name is a non-empty string")
         if name in self._names:
             raise ValueError(f"value name %{name} is already defined in graph @{self.name}")
         self._names.add(name)

@@ -3,7 +3,9 @@
 Guarantee: ``str(parse(str(g))) == str(g)`` for every graph ``g``.  The text is parsed in one
 pass and built through the ordinary :class:`Graph` builders, so inference runs on every node
 and the result types written in the text must equal the inferred ones.  Value names are kept
-exactly as written, constants included (equal constants are not merged).
+exactly as written, constants included (equal constants are not merged).  A value name is
+bare (``%x``, ``%12``, ``%fc1.weight``) or, when it is anything else -- names taken from
+PyTorch such as ``0.weight`` or a ``ModuleDict`` key -- a JSON string (``%"0.weight"``).
 
 Every malformed input raises :class:`~kiln.ir.errors.ParseError` with the 1-based line and
 column of the offending token.  Whitespace and line breaks are insignificant; ``#`` starts a
@@ -13,7 +15,7 @@ Grammar (``[x]`` optional, ``x*`` repeated, ``|`` alternatives)::
 
     graph     := "graph" @name "(" [decl ("," decl)*] ")" ["params" "(" [decl ("," decl)*] ")"]
                  "{" stmt* "return" [%v ("," %v)*] "}"
-    decl      := %name ":" type
+    decl      := %name ":" type                        (%"any name": JSON-quoted, see below)
     type      := dtype "[" [dim ("," dim)*] "]"          dim := int | symbol
     stmt      := [decl ("," decl)*] "=" (const | op)
     const     := "const" (scalar | "[" [scalar ("," scalar)*] "]" | hex"<little-endian bytes>")
@@ -50,7 +52,7 @@ _TOKEN_RE = re.compile(
     |(?P<comment>\#[^\n]*)
     |(?P<hex>hex"[^"\n]*")
     |(?P<string>{_STRING})
-    |(?P<value>%{_NAME})
+    |(?P<value>%(?:{_NAME}|{_STRING}))
     |(?P<graphname>@(?:{PLAIN_GRAPH_NAME.pattern}|{_STRING}))
     |(?P<number>-?(?:[0-9]+(?:\.[0-9]*)?(?:[eE][+-]?[0-9]+)?|(?:inf|nan)(?![A-Za-z0-9_.])))
     |(?P<ident>[A-Za-z_][A-Za-z0-9_.]*)
@@ -114,7 +116,8 @@ def _bad_character(text: str, pos: int) -> str:
     if ch == '"' or text.startswith('hex"', pos):
         return "unterminated string: a closing '\"' is missing on this line"
     if ch == "%":
-        return "invalid value name: use letters, digits, '_' and '.' (e.g. %x, %12, %fc1.weight)"
+        return ("invalid value name: bare names are letters, digits, '_' and '.' (e.g. %x, %12, "
+                "%fc1.weight); quote any other name as a JSON string (e.g. %\"0.weight\")")
     if ch == "@":
         return "expected a graph name after '@'"
     return f"unexpected character {ch!r}"
@@ -224,12 +227,12 @@ class _Parser:
     def _signature_entry(self, scope: _Scope, kind: str) -> None:
         name_tok, ttype, _ = self._declaration(scope)
         add = scope.graph.add_input if kind == "input" else scope.graph.add_param
-        self._define(scope, name_tok, add(name_tok.text[1:], ttype))
+        self._define(scope, name_tok, add(self._value_name(name_tok), ttype))
 
     def _declaration(self, scope: _Scope) -> tuple[_Token, TensorType, _Token]:
         """``%name: type``; checks the name is not yet defined. Returns the type's token too."""
         name_tok = self._expect("value", what="a value name such as %x")
-        name = name_tok.text[1:]
+        name = self._value_name(name_tok)
         if name in scope.defined_at:
             line, col, _ = self.lex.position(scope.defined_at[name])
             raise self._error(
@@ -246,7 +249,7 @@ class _Parser:
 
     def _use(self, scope: _Scope) -> Value:
         tok = self._expect("value", what="a value such as %x")
-        value = scope.values.get(tok.text[1:])
+        value = scope.values.get(self._value_name(tok))
         if value is None:
             raise self._error(
                 f"use of undefined value {tok.text} in graph @{scope.graph.name} "
@@ -293,7 +296,8 @@ class _Parser:
 
     def _result_declaration(self, scope: _Scope, earlier: list) -> tuple[_Token, TensorType, _Token]:
         name_tok = self.lex.current
-        if name_tok.kind == "value" and any(t.text == name_tok.text for t, _, _ in earlier):
+        if name_tok.kind == "value" and any(self._value_name(t) == self._value_name(name_tok)
+                                            for t, _, _ in earlier):
             raise self._error(f"duplicate definition of {name_tok.text} in one statement", name_tok)
         return self._declaration(scope)
 
@@ -324,7 +328,7 @@ class _Parser:
                     f"but inference gives {inferred}",
                     type_tok,
                 )
-        names = [t.text[1:] for t, _, _ in results]
+        names = [self._value_name(t) for t, _, _ in results]
         try:
             node = scope.graph.add_node(opdef, operands, attrs, names=names)
         except (OpTypeError, ValueError) as e:  # already checked above; kept as a safety net
@@ -407,7 +411,7 @@ class _Parser:
             else:
                 items = [self._const_scalar()]
             data = self._list_data(data_tok, name_tok.text, ttype, items)
-        value = scope.graph.add_constant(data, ttype.dtype, name_tok.text[1:], dedup=False)
+        value = scope.graph.add_constant(data, ttype.dtype, self._value_name(name_tok), dedup=False)
         self._define(scope, name_tok, value)
 
     def _const_scalar(self) -> _Token:
@@ -473,6 +477,11 @@ class _Parser:
             return int(tok.text)
         except ValueError as e:  # e.g. an integer longer than Python converts
             raise self._error(f"bad number {tok.text[:20]!r}: {e}", tok) from None
+
+    def _value_name(self, tok: _Token) -> str:
+        """The name of a ``%name`` or ``%"quoted name"`` token."""
+        text = tok.text[1:]
+        return self._string(tok, text) if text.startswith('"') else text
 
     def _string(self, tok: _Token, quoted: str) -> str:
         try:

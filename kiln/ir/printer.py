@@ -31,6 +31,15 @@ INLINE_LIMIT = 32
 PLAIN_GRAPH_NAME = re.compile(r"[A-Za-z0-9_.]+")
 """Graph names printed bare after ``@``; any other name is printed JSON-quoted."""
 
+PLAIN_VALUE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.]*|[0-9]+")
+"""Value names printed bare after ``%``; any other name (names are data: ``0.weight``,
+``blocks.a-b``, unicode) is printed JSON-quoted, ``%"0.weight"``."""
+
+
+def format_value_name(name: str) -> str:
+    """``%name`` as the text form writes it."""
+    return f"%{name}" if PLAIN_VALUE_NAME.fullmatch(name) else f"%{json.dumps(name)}"
+
 
 def format_scalar(x: Any, dtype: DType) -> str:
     if dtype == DType.bool:
@@ -87,16 +96,16 @@ def format_graph_name(name: str) -> str:
 
 def format_graph(graph, indent: str = "", locs: bool = False) -> str:
     inner = indent + "  "
-    sig = ", ".join(f"%{v.name}: {v.type}" for v in graph.inputs)
+    sig = ", ".join(f"{format_value_name(v.name)}: {v.type}" for v in graph.inputs)
     head = f"graph @{format_graph_name(graph.name)}({sig})"
     if graph.params:
-        head += " params(" + ", ".join(f"%{v.name}: {v.type}" for v in graph.params) + ")"
+        head += " params(" + ", ".join(f"{format_value_name(v.name)}: {v.type}" for v in graph.params) + ")"
     lines = [head + " {"]
     for c in graph.constants:
-        lines.append(f"{inner}%{c.name}: {c.type} = const {format_const(c.data, c.dtype)}")
+        lines.append(f"{inner}{format_value_name(c.name)}: {c.type} = const {format_const(c.data, c.dtype)}")
     for n in graph.nodes:
-        outs = ", ".join(f"%{v.name}: {v.type}" for v in n.outputs)
-        args = ", ".join(f"%{v.name}" for v in n.inputs)
+        outs = ", ".join(f"{format_value_name(v.name)}: {v.type}" for v in n.outputs)
+        args = ", ".join(format_value_name(v.name) for v in n.inputs)
         text = f"{inner}{outs} = {n.kind}({args})"
         defaults = n.op.default_attrs()
         shown = [(k, v) for k, v in n.attrs.items() if k not in defaults or not _same(defaults[k], v)]
@@ -105,7 +114,7 @@ def format_graph(graph, indent: str = "", locs: bool = False) -> str:
         if locs and n.loc:
             text += f"  # {n.loc}"
         lines.append(text)
-    ret = ", ".join(f"%{v.name}" for v in graph.outputs)
+    ret = ", ".join(format_value_name(v.name) for v in graph.outputs)
     lines.append(f"{inner}return {ret}".rstrip())
     lines.append(indent + "}")
     return "\n".join(lines)
