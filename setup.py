@@ -18,6 +18,8 @@ setup(
     extras_require={
         "loops": ["islpy>=2023.1"],
         "test": ["pytest>=7", "hypothesis>=6", "transformers>=4.40", "islpy>=2023.1",
+                 # PyTorch's op database (torch.testing._internal) imports it
+                 "expecttest",
                  # pass-ordering tests; small pure-Python packages (torch is already required)
                  "gymnasium>=1.0", "stable-baselines3>=2.3", "sb3-contrib>=2.3",
                  # the benchmark harness's smoke test checks its PNG plot

@@ -1,4 +1,5 @@
-"""Fixtures shared by several test files (requested by name, none applies by itself)."""
+"""Fixtures shared by several test files (requested by name; only ``fresh_dynamo_per_file``
+applies by itself)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,17 @@ import torch
 
 from kiln.backends.base import ReferenceExecutable
 from kiln.backends.cpu.backend import CpuExecutable
+
+
+@pytest.fixture(autouse=True, scope="module")
+def fresh_dynamo_per_file():
+    """Each test file starts with Dynamo's caches empty: otherwise its automatic dynamic shapes
+    carry over from another file's compiles of the same code, and graphs arrive symbolic."""
+    import sys
+
+    if "torch._dynamo" in sys.modules:
+        torch._dynamo.reset()
+    yield
 
 
 @pytest.fixture

@@ -19,9 +19,19 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from fdcheck import central_differences
 
 from kiln.backends.reference import run_graph
-from kiln.ir import DType, Graph, KilnError, TensorType, builtin_ops, get_op, parse, verify
+from kiln.ir import (
+    DType,
+    Graph,
+    KilnError,
+    TensorType,
+    builtin_ops,
+    get_op,
+    parse,
+    verify,
+)
 from kiln.ir.ops.vjp import is_nondifferentiable
 from kiln.passes.autodiff import grad_graph
 
@@ -91,6 +101,33 @@ TABLE += [
     # linalg
     g("matmul", f(2, 3), f(3, 4)), g("matmul", f(2, 2, 3), f(3, 2)), g("matmul", f(3), f(3, 2)),
     g("matmul", f(2, 3), f(3)), g("matmul", f(4), f(4)), g("matmul", f(2, 1, 2, 3), f(3, 3, 2)),
+    # special functions and float manipulation (kiln/ir/ops/special.py)
+    g("asin", f(2, 3, lo=-0.9, hi=0.9)), g("acos", f(2, 3, lo=-0.9, hi=0.9)), g("asinh", f(2, 3)),
+    g("acosh", f(2, 3, lo=1.2, hi=3.0)), g("atanh", f(2, 3, lo=-0.9, hi=0.9)), g("sinh", f(2, 3)),
+    g("cosh", f(2, 3)), g("log10", pos(2, 3)), g("exp2", f(2, 3)), g("erfc", f(2, 3)),
+    g("erfinv", f(2, 3, lo=-0.9, hi=0.9)), g("lgamma", pos(2, 3)), g("polygamma", pos(2, 3)),
+    g("polygamma", pos(2, 3), n=2), g("i0", f(2, 3)), g("i0e", away_from_zero(2, 3)),
+    g("i1", np.array([0.0, 0.5, -1.5, 2.0], np.float32)), g("i1e", away_from_zero(2, 3)),
+    g("fmod", f(2, 3, lo=-3, hi=3), f(3, lo=0.7, hi=1.3)), g("copysign", away_from_zero(2, 3), f(3)),
+    g("fmax", f(2, 3), f(3)), g("fmin", f(2, 1), f(2, 4)), g("nextafter", f(2, 3), f(3)),
+    g("erfcx", f(2, 3)), g("ndtri", f(2, 3, lo=0.1, hi=0.9)), g("log_ndtr", f(2, 3)),
+    g("entr", pos(2, 3)), g("zeta", ints(2, 3, lo=2, hi=5), pos(3)),
+    g("igamma", ints(2, 3, lo=1, hi=4), pos(3)), g("igammac", ints(2, 3, lo=1, hi=4), pos(3)),
+    g("inv", f(2, 3, 3) + 3 * np.eye(3, dtype=np.float32)), g("det", f(3, 3) + 2 * np.eye(3, dtype=np.float32)),
+    # factorizations (kiln/ir/ops/linalg.py); symmetric inputs are read with triangle="both",
+    # whose derivative is the rule's symmetric gradient exactly
+    g("triangular_solve", f(2, 3, 3) + 3 * np.eye(3, dtype=np.float32), f(3, 2), upper=True),
+    g("triangular_solve", f(3, 3) + 3 * np.eye(3, dtype=np.float32), f(2, 4, 3), upper=False, left=False,
+      unitriangular=True),
+    g("cholesky", f(2, 3, 3) + 4 * np.eye(3, dtype=np.float32), triangle="both"),
+    g("svd", f(4, 3), part="u"), g("svd", f(3, 4), part="u"), g("svd", f(2, 4, 3), part="s"),
+    g("svd", f(3, 4), part="s"), g("svd", f(4, 3), part="vh"), g("svd", f(3, 4), part="vh"),
+    g("eigh", f(2, 3, 3), part="values", triangle="both"), g("eigh", f(4, 4), part="vectors", triangle="both"),
+    g("lu", f(2, 3, 3), part="packed"), g("lu", f(4, 3), part="packed"), g("lu", f(3, 4), part="packed"),
+    g("lu", f(4, 3), part="l"), g("lu", f(3, 4), part="u"),
+    g("qr", f(2, 4, 3), part="q"), g("qr", f(4, 3), part="r"), g("qr", f(3, 4), part="q"),
+    g("qr", f(3, 4), part="r"), g("qr", f(3, 3), part="q", mode="complete"),
+    g("matrix_exp", f(2, 3, 3) * 0.5),
     # nn
     g("conv", f(2, 4, 5, 5), f(4, 2, 3, 2), f(4), stride=(2, 1), padding=(1, 0), dilation=(1, 2),
       groups=2),
@@ -112,8 +149,29 @@ TABLE += [
     g("upsample_nearest2d", f(1, 1, 3, 4), output_size=(5, 7)),
     g("upsample_bilinear2d", f(1, 2, 3, 4), output_size=(5, 6)),
     g("upsample_bilinear2d", f(1, 1, 4, 3), output_size=(3, 5), align_corners=True),
+    g("upsample_bilinear2d", f(1, 1, 3, 4), output_size=(5, 6), scales=(1.7, 1.5)),
+    g("upsample_nearest2d", f(1, 1, 3, 4), output_size=(5, 6), exact=True, scales=(1.7, 1.5)),
+    g("conv_transpose", f(1, 2, 2, 3, 2), f(2, 2, 2, 3, 2), stride=(2, 1, 2), padding=(1, 1, 0),
+      dilation=(1, 1, 1), output_padding=(1, 0, 1)),
+    g("max_pool3d", f(1, 2, 4, 5, 3), kernel=(2, 3, 2), stride=(1, 2, 2), padding=(1, 1, 0),
+      dilation=(1, 1, 1), ceil_mode=True),
+    g("max_pool3d_backward", f(1, 1, 2, 3, 2), f(1, 1, 4, 5, 3), kernel=(3, 3, 2), stride=(2, 2, 1),
+      padding=(1, 1, 0)),
+    g("max_pool3d_select", f(1, 1, 4, 5, 3), f(1, 1, 4, 5, 3), kernel=(3, 3, 2), stride=(2, 2, 1),
+      padding=(1, 1, 0)),
+    g("avg_pool3d", f(1, 2, 4, 5, 3), kernel=(3, 2, 2), stride=(2, 2, 1), padding=(1, 1, 0),
+      ceil_mode=True, count_include_pad=False),
+    g("avg_pool3d", f(2, 3, 4, 4), kernel=(2, 2, 2), stride=(2, 2, 2), divisor_override=3),
+    g("adaptive_avg_pool3d", f(1, 2, 5, 4, 7), output_size=(3, 2, 4)),
+    g("upsample_nearest3d", f(1, 1, 2, 3, 4), output_size=(3, 5, 7)),
+    g("upsample_trilinear3d", f(1, 1, 2, 3, 4), output_size=(3, 5, 3)),
+    g("upsample_trilinear3d", f(2, 3, 2, 3), output_size=(4, 2, 5), align_corners=True),
+    g("upsample_bicubic2d", f(1, 2, 4, 3), output_size=(6, 5)),
+    g("upsample_bicubic2d", f(1, 1, 5, 4), output_size=(3, 7), align_corners=True),
     g("batch_norm", f(2, 3, 2, 2), f(3), f(3), f(3), pos(3), eps=1e-3),
     g("layer_norm", f(2, 3, 4), f(4), f(4), normalized_rank=1),
+    g("group_norm", f(2, 4, 3, 2), f(4), f(4), groups=2, eps=1e-3),
+    g("group_norm", f(2, 6, 5), groups=3),
     g("layer_norm", f(2, 3, 4), normalized_rank=2),
     g("rms_norm", f(2, 5), f(5), normalized_rank=1), g("rms_norm", f(2, 2, 3), normalized_rank=2),
     g("embedding", f(5, 3), ints(2, 4, hi=5)),
@@ -136,6 +194,21 @@ TABLE += [
     g("index_put", f(4, 3), f(2, 3), ints(2, hi=4), dims=(0,), accumulate=True),
     g("index_put", f(4, 3), f(3), np.array([2, 0], np.int64), dims=(0,)),
     g("tril", f(3, 4), diagonal=1), g("triu", f(2, 3, 3)), g("repeat", f(2, 3), repeats=(2, 1, 2)),
+    # sorting, scans and scatters (kiln/ir/ops/sorting.py, indexing.py)
+    g("cumprod", f(3, 4), dim=1), g("cumprod", np.array([[0.5, 0.0, 2.0, 1.5], [0.0, 1.2, 0.0, -2.0]],
+                                                       np.float32), dim=-1),
+    g("scatter", f(3, 4), np.array([[0, 2, 1, 2], [1, 0, 0, 1]], np.int64), f(2, 5), dim=0),
+    g("scatter_reduce", f(3, 4), ints(2, 3), f(2, 4), dim=0, reduce="sum", include_self=False),
+    g("scatter_reduce", f(3, 4), ints(3, 3, hi=4), f(3, 3), dim=1, reduce="mean"),
+    g("scatter_reduce", f(4, 3), ints(2, 3, hi=4), f(2, 3), dim=0, reduce="mean", include_self=False),
+    g("scatter_reduce", f(3, 4), ints(2, 4), f(2, 4), dim=0, reduce="amax"),
+    g("scatter_reduce", f(3, 4), ints(2, 4), f(2, 4), dim=0, reduce="amin", include_self=False),
+    g("scatter_reduce", pos(3, 4), ints(2, 4), pos(2, 4), dim=0, reduce="prod"),
+    g("scatter_reduce", np.array([[0.0, 1.5], [2.0, 0.5], [0.7, 1.1]], np.float32),
+      np.array([[0, 0], [1, 0], [0, 2]], np.int64), np.array([[1.3, 0.0], [0.0, 0.9], [0.6, 1.7]], np.float32),
+      dim=0, reduce="prod"),
+    g("scatter_reduce", pos(3, 2), np.array([[0, 1], [0, 1]], np.int64),
+      np.array([[0.0, 1.2], [0.8, 0.0]], np.float32), dim=0, reduce="prod", include_self=False),
 ]
 
 
@@ -160,26 +233,7 @@ def _arrays(case: G, dtype) -> list[np.ndarray]:
 def _finite_differences(case: G, eps: float = 1e-6) -> list[np.ndarray]:
     graph = _build(case, DType.float64)
     arrays = _arrays(case, np.float64)
-
-    def loss() -> float:
-        return float(run_graph(graph, arrays, [])[0])
-
-    grads = []
-    for a in arrays:
-        if a.dtype.kind != "f":
-            continue
-        d = np.zeros_like(a)
-        flat, out = a.reshape(-1), d.reshape(-1)
-        for j in range(flat.size):
-            saved = flat[j]
-            flat[j] = saved + eps
-            up = loss()
-            flat[j] = saved - eps
-            down = loss()
-            flat[j] = saved
-            out[j] = (up - down) / (2 * eps)
-        grads.append(d)
-    return grads
+    return central_differences(lambda: float(run_graph(graph, arrays, [])[0]), arrays, eps)
 
 
 @pytest.mark.parametrize("case", TABLE, ids=repr)
@@ -204,8 +258,22 @@ def test_rule_matches_finite_differences(case: G):
 
 
 NONDIFFERENTIABLE = {"eq", "ne", "lt", "le", "gt", "ge", "logical_and", "logical_or", "logical_xor",
-                     "logical_not", "isnan", "isinf", "any", "all", "argmax", "argmin", "arange", "full"}
+                     "logical_not", "isnan", "isinf", "any", "all", "argmax", "argmin", "arange", "full",
+                     "argsort", "cumarg", "searchsorted", "dropout_mask", "random_uniform", "signbit",
+                     "bessel_j0", "bessel_j1", "bessel_y0", "bessel_y1", "modified_bessel_i0",
+                     "modified_bessel_i1", "modified_bessel_k0", "modified_bessel_k1",
+                     "scaled_modified_bessel_k0", "scaled_modified_bessel_k1", "spherical_bessel_j0",
+                     "airy_ai", "stop_gradient"}
+NONDIFFERENTIABLE |= {"frexp_exponent", "hermite_polynomial_h", "hermite_polynomial_he",
+                      "laguerre_polynomial_l", "legendre_polynomial_p",
+                      *(f"{s}chebyshev_polynomial_{k}" for s in ("", "shifted_") for k in "tuvw")}
+NONDIFFERENTIABLE |= {"max_pool2d_indices", "max_pool3d_indices"}  # integer positions
+NONDIFFERENTIABLE |= {"lu_permutation", "geqrf", "ldl", "ldl_solve"}  # from integer pivots; not differentiable in torch
 INLINED = {"fused"}  # autodiff inlines fused bodies before differentiating
+# custom_vjp's rule is the user's backward graph, typed for one dtype (no float64 twin for
+# finite differences): tests/test_custom_function.py checks it against finite differences
+# and against eager
+INLINED |= {"custom_vjp"}
 
 
 def test_every_op_has_a_rule_and_every_rule_is_checked():

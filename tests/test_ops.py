@@ -104,6 +104,7 @@ _UNARY = {
     "ceil": (torch.ceil, f32), "round": (torch.round, f32), "trunc": (torch.trunc, f32),
     "sign": (torch.sign, f32), "logical_not": (torch.logical_not, bools),
     "isnan": (torch.isnan, f32), "isinf": (torch.isinf, f32),
+    "stop_gradient": (torch.Tensor.detach, f32),
 }
 for _name, (_fn, _make) in _UNARY.items():
     add(case(_name, [_make(3, 5)], _fn))
@@ -127,6 +128,105 @@ add(case("add", [ints(2, 3, dtype=np.int32), f32(3)], torch.add),
          rounding_mode="floor"),
     case("div", [ints(8), ints(8, lo=1)], lambda a, b: torch.div(a, b, rounding_mode="trunc"),
          rounding_mode="trunc"))
+
+# kiln/ir/ops/special.py and the linalg additions
+def _within(lo: float, hi: float, *shape: int) -> np.ndarray:
+    return rng.uniform(lo, hi, shape).astype(np.float32)
+
+
+_SPECIAL = {
+    "asin": (torch.asin, lambda *s: _within(-0.95, 0.95, *s)), "acos": (torch.acos, lambda *s: _within(-0.95, 0.95, *s)),
+    "asinh": (torch.asinh, f32), "acosh": (torch.acosh, lambda *s: _within(1.0, 4.0, *s)),
+    "atanh": (torch.atanh, lambda *s: _within(-0.95, 0.95, *s)), "sinh": (torch.sinh, f32),
+    "cosh": (torch.cosh, f32), "log10": (torch.log10, pos), "exp2": (torch.exp2, f32),
+    "erfc": (torch.erfc, f32), "erfinv": (torch.erfinv, lambda *s: _within(-0.95, 0.95, *s)),
+    "lgamma": (torch.lgamma, f32), "i0": (torch.i0, f32), "i0e": (torch.special.i0e, f32),
+    "i1": (torch.special.i1, f32), "i1e": (torch.special.i1e, f32), "erfcx": (torch.special.erfcx, f32),
+    "ndtri": (torch.special.ndtri, lambda *s: _within(0.05, 0.95, *s)),
+    "log_ndtr": (torch.special.log_ndtr, f32), "entr": (torch.special.entr, f32),
+    "signbit": (torch.signbit, f32), "bessel_j0": (torch.special.bessel_j0, f32),
+    "bessel_j1": (torch.special.bessel_j1, f32), "bessel_y0": (torch.special.bessel_y0, pos),
+    "bessel_y1": (torch.special.bessel_y1, pos), "modified_bessel_i0": (torch.special.modified_bessel_i0, f32),
+    "modified_bessel_i1": (torch.special.modified_bessel_i1, f32),
+    "modified_bessel_k0": (torch.special.modified_bessel_k0, pos),
+    "modified_bessel_k1": (torch.special.modified_bessel_k1, pos),
+    "scaled_modified_bessel_k0": (torch.special.scaled_modified_bessel_k0, pos),
+    "scaled_modified_bessel_k1": (torch.special.scaled_modified_bessel_k1, pos),
+    "spherical_bessel_j0": (torch.special.spherical_bessel_j0, f32), "airy_ai": (torch.special.airy_ai, f32),
+    "frexp_exponent": (lambda x: torch.frexp(x)[1], f32),
+}
+for _name, (_fn, _make) in _SPECIAL.items():
+    add(case(_name, [_make(3, 5)], _fn, tol=1e-4))
+add(case("polygamma", [pos(3, 4)], torch.digamma, tol=1e-4),
+    case("polygamma", [pos(3, 4)], lambda x: torch.polygamma(2, x), tol=1e-4, n=2),
+    case("fmod", [f32(3, 1, 4), pos(5, 1)], torch.fmod), case("fmod", [ints(8), ints(8, lo=1)], torch.fmod),
+    case("copysign", [f32(3, 4), f32(4)], torch.copysign), case("fmax", [f32(3, 4), f32(4)], torch.fmax),
+    case("fmin", [np.array([1.0, np.nan, 2.0, np.nan], np.float32), np.array([np.nan, 3.0, 1.0, np.nan], np.float32)],
+         torch.fmin),
+    case("nextafter", [f32(3, 4), f32(4)], torch.nextafter),
+    case("zeta", [_within(1.5, 4.0, 3, 4), pos(4)], torch.special.zeta, tol=1e-4),
+    case("igamma", [pos(3, 4), pos(4)], torch.igamma, tol=1e-4),
+    case("igammac", [pos(3, 4), pos(4)], torch.igammac, tol=1e-4),
+    case("inv", [f32(2, 3, 3) + 3 * np.eye(3, dtype=np.float32)], torch.linalg.inv, tol=1e-4),
+    case("det", [f32(2, 4, 4)], torch.linalg.det, tol=1e-4))
+
+
+def _spd(*shape: int) -> np.ndarray:
+    x = f32(*shape)
+    return (x @ np.swapaxes(x, -1, -2) + shape[-1] * np.eye(shape[-1])).astype(np.float32)
+
+
+def _f64_of(fn):  # torch in float64, back to float32: kiln's factorizations compute in float64
+    return lambda *xs: fn(*(x.double() for x in xs)).float()
+
+
+_TRI = f32(2, 3, 3) + 3 * np.eye(3, dtype=np.float32)
+add(case("triangular_solve", [_TRI, f32(3, 2)], lambda a, b: torch.linalg.solve_triangular(a, b, upper=True),
+         tol=1e-4, upper=True),
+    case("triangular_solve", [_TRI, f32(2, 4, 3)], lambda a, b: torch.linalg.solve_triangular(
+        a, b, upper=False, left=False, unitriangular=True), tol=1e-4, upper=False, left=False, unitriangular=True),
+    case("cholesky", [_spd(2, 4, 4)], torch.linalg.cholesky, tol=1e-4),
+    case("cholesky", [_spd(4, 4)], lambda a: torch.linalg.cholesky(a, upper=True).mT, tol=1e-4, triangle="upper"),
+    case("cholesky", [np.array([[1.0, 2.0], [2.0, 1.0]], np.float32)],
+         lambda a: torch.linalg.cholesky_ex(a).info, part="info"),
+    case("svd", [f32(2, 4, 3)], torch.linalg.svdvals, tol=1e-4, part="s"),
+    case("svd", [f32(3, 5)], _f64_of(lambda a: torch.linalg.svd(a, full_matrices=True).U), tol=1e-4,
+         part="u", full_matrices=True),
+    case("svd", [f32(2, 3, 5)], _f64_of(lambda a: torch.linalg.svd(a, full_matrices=False).Vh), tol=1e-4,
+         part="vh"),
+    case("eigh", [_spd(2, 4, 4)], torch.linalg.eigvalsh, tol=1e-4, part="values"),
+    case("eigh", [f32(4, 4)], _f64_of(lambda a: torch.linalg.eigh(a, UPLO="U").eigenvectors), tol=1e-4,
+         part="vectors", triangle="upper"),
+    case("lu", [f32(2, 3, 5)], _f64_of(lambda a: torch.linalg.lu_factor(a).LU), tol=1e-4, part="packed"),
+    case("lu", [f32(5, 3)], lambda a: torch.linalg.lu_factor(a).pivots, part="pivots"),
+    case("lu", [f32(4, 4)], _f64_of(lambda a: torch.linalg.lu(a).P), part="p"),
+    case("lu", [f32(5, 3)], _f64_of(lambda a: torch.linalg.lu(a).L), tol=1e-4, part="l"),
+    case("lu", [f32(3, 5)], _f64_of(lambda a: torch.linalg.lu(a).U), tol=1e-4, part="u"),
+    case("lu", [np.array([[1.0, 2.0], [2.0, 4.0]], np.float32)], lambda a: torch.linalg.lu_factor_ex(a).info,
+         part="info"),
+    case("lu_permutation", [np.array([[3, 2, 4, 4], [1, 4, 3, 4]], np.int32)],
+         lambda p: torch.lu_unpack(torch.zeros(2, 4, 4), p)[0], m=4, dtype=DType.float32),
+    case("qr", [f32(2, 5, 3)], _f64_of(lambda a: torch.linalg.qr(a).Q), tol=1e-4, part="q"),
+    case("qr", [f32(5, 3)], _f64_of(lambda a: torch.linalg.qr(a, mode="complete").R), tol=1e-4, part="r",
+         mode="complete"),
+    case("qr", [f32(3, 5)], _f64_of(lambda a: torch.linalg.qr(a, mode="r").R), tol=1e-4, part="r", mode="r"),
+    case("geqrf", [f32(5, 3)], _f64_of(lambda a: torch.geqrf(a)[0]), tol=1e-4, part="packed"),
+    case("geqrf", [f32(2, 3, 4)], _f64_of(lambda a: torch.geqrf(a)[1]), tol=1e-4, part="tau"),
+    case("matrix_exp", [f32(2, 4, 4)], torch.linalg.matrix_exp, tol=1e-4))
+_SYM = f32(2, 4, 4)
+_SYM = _SYM + np.swapaxes(_SYM, -1, -2)
+_LD, _LD_PIV = (t.numpy() for t in torch.linalg.ldl_factor(torch.from_numpy(_SYM).double()))
+add(case("ldl", [_SYM], _f64_of(lambda a: torch.linalg.ldl_factor(a).LD), tol=1e-4, part="packed"),
+    case("ldl", [_SYM], lambda a: torch.linalg.ldl_factor(a.double()).pivots, part="pivots"),
+    case("ldl", [_SYM], lambda a: torch.linalg.ldl_factor_ex(a.double()).info, part="info"),
+    case("ldl_solve", [_LD.astype(np.float32), _LD_PIV, f32(2, 4, 3)],
+         lambda ld, piv, b: torch.linalg.ldl_solve(torch.from_numpy(_LD), piv, b.double()).float(), tol=1e-4))
+for _name in ("chebyshev_polynomial_t", "chebyshev_polynomial_u", "chebyshev_polynomial_v",
+              "chebyshev_polynomial_w", "shifted_chebyshev_polynomial_t", "shifted_chebyshev_polynomial_u",
+              "shifted_chebyshev_polynomial_v", "shifted_chebyshev_polynomial_w", "hermite_polynomial_h",
+              "hermite_polynomial_he", "laguerre_polynomial_l", "legendre_polynomial_p"):
+    add(case(_name, [_within(-1.0, 1.0, 3, 5), np.array([-1, 0, 1, 3, 6], np.float32)],
+             getattr(torch.special, _name), tol=1e-4))
 for _name, _fn in [("logical_and", torch.logical_and), ("logical_or", torch.logical_or),
                    ("logical_xor", torch.logical_xor)]:
     add(case(_name, [bools(2, 3), bools(3)], _fn))
@@ -148,6 +248,23 @@ def _fused_body() -> Graph:
 
 add(case("fused", [f32(2, 3), f32(3)], lambda a, b: torch.relu(a + b), kind="elementwise",
          body=_fused_body()))
+
+
+def _custom_vjp_bodies() -> tuple[Graph, Graph]:
+    """forward: round(a) * b; backward (straight-through): g * b for a, g * round(a) for b."""
+    t = TensorType((2, 3), DType.float32)
+    forward = Graph("ste.forward")
+    a, b = forward.add_input("a", t), forward.add_input("b", t)
+    r = forward.op("round", a)
+    forward.set_outputs([forward.op("mul", r, b)])
+    backward = Graph("ste.backward")
+    g = backward.add_input("g", t)
+    backward.set_outputs([g])
+    return forward, backward
+
+
+add(case("custom_vjp", [f32(2, 3) * 3, f32(2, 3)], lambda a, b: torch.round(a) * b,
+         forward=_custom_vjp_bodies()[0], backward=_custom_vjp_bodies()[1], grads=(0, -1)))
 
 # reductions
 add(case("sum", [f32(3, 4, 5)], lambda x: x.sum((1, -1), keepdim=True), dims=(1, -1), keepdim=True),
@@ -270,6 +387,100 @@ add(case("conv_transpose", [f32(2, 4, 3, 5), f32(4, 3, 3, 2), f32(6)],
     case("max_pool2d_backward", [f32(2, 3, 4, 5), f32(2, 3, 7, 9)], _max_pool_grad, **_POOL3),
     case("max_pool2d_select", [f32(2, 3, 7, 9), f32(2, 3, 7, 9)], _max_pool_select, **_POOL3))
 
+def _max_pool3d_grad(g, x):
+    y = F.max_pool3d(x.requires_grad_(), (3, 2, 2), (2, 1, 2), (1, 1, 0), ceil_mode=True)
+    return torch.autograd.grad(y, x, g)[0]
+
+
+def _max_pool3d_select(t, x):
+    _, where = F.max_pool3d(x, (3, 2, 2), (2, 1, 2), (1, 1, 0), ceil_mode=True, return_indices=True)
+    return t.flatten(-3).gather(-1, where.flatten(-3)).view_as(where)
+
+
+_POOL3D = {"kernel": (3, 2, 2), "stride": (2, 1, 2), "padding": (1, 1, 0), "ceil_mode": True}
+add(case("max_pool2d_indices", [f32(2, 3, 7, 9)],
+         lambda x: F.max_pool2d(x, 3, 2, 1, ceil_mode=True, return_indices=True)[1], **_POOL3),
+    case("max_pool2d_indices", [f32(3, 8, 9)],
+         lambda x: F.max_pool2d(x, (2, 3), (1, 2), (1, 0), (2, 1), return_indices=True)[1],
+         kernel=(2, 3), stride=(1, 2), padding=(1, 0), dilation=(2, 1)),
+    case("max_pool3d_indices", [f32(2, 3, 5, 7, 6)],
+         lambda x: F.max_pool3d(x, (3, 2, 2), (2, 1, 2), (1, 1, 0), (1, 2, 1), True, True)[1],
+         kernel=(3, 2, 2), stride=(2, 1, 2), padding=(1, 1, 0), dilation=(1, 2, 1), ceil_mode=True))
+add(case("max_pool3d", [f32(2, 3, 5, 7, 6)], lambda x: F.max_pool3d(x, (3, 2, 2), (2, 1, 2), (1, 1, 0), (1, 2, 1), True),
+         kernel=(3, 2, 2), stride=(2, 1, 2), padding=(1, 1, 0), dilation=(1, 2, 1), ceil_mode=True),
+    case("max_pool3d", [ints(2, 4, 4, 5)], lambda x: F.max_pool3d(x.double(), 2).long(), kernel=(2, 2, 2), stride=()),
+    case("max_pool3d_backward", [f32(2, 3, 3, 6, 3), f32(2, 3, 5, 5, 6)], _max_pool3d_grad, **_POOL3D),
+    case("max_pool3d_select", [f32(2, 3, 5, 5, 6), f32(2, 3, 5, 5, 6)], _max_pool3d_select, **_POOL3D),
+    case("avg_pool3d", [f32(2, 3, 5, 7, 6)],
+         lambda x: F.avg_pool3d(x, 3, 2, 1, ceil_mode=True, count_include_pad=False),
+         kernel=(3, 3, 3), stride=(2, 2, 2), padding=(1, 1, 1), ceil_mode=True, count_include_pad=False),
+    case("avg_pool3d", [f32(3, 4, 4, 5)], lambda x: F.avg_pool3d(x, 2, divisor_override=3),
+         kernel=(2, 2, 2), stride=(2, 2, 2), divisor_override=3),
+    case("adaptive_avg_pool3d", [f32(2, 3, 5, 7, 9)], lambda x: F.adaptive_avg_pool3d(x, (2, 3, 4)),
+         output_size=(2, 3, 4)),
+    case("upsample_nearest2d", [f32(1, 2, 5, 7)],
+         lambda x: F.interpolate(x, scale_factor=(1.3, 0.7), mode="nearest-exact"),
+         output_size=(6, 4), exact=True, scales=(1.3, 0.7)),
+    case("upsample_nearest3d", [f32(1, 2, 3, 4, 10)], lambda x: F.interpolate(x, scale_factor=(2, 1.5, 0.6)),
+         output_size=(6, 6, 6), scales=(2.0, 1.5, 0.6)),
+    case("upsample_nearest3d", [ints(2, 3, 4, 5, lo=0, hi=9, dtype=np.uint8)],
+         lambda x: F.interpolate(x[None], (5, 3, 7), mode="nearest-exact")[0], output_size=(5, 3, 7), exact=True),
+    case("upsample_bilinear2d", [f32(1, 2, 5, 4)], lambda x: F.interpolate(x, scale_factor=1.7, mode="bilinear"),
+         output_size=(8, 6), scales=(1.7, 1.7)),
+    case("upsample_trilinear3d", [f32(1, 2, 3, 4, 5)], lambda x: F.interpolate(x, (5, 3, 7), mode="trilinear"),
+         output_size=(5, 3, 7)),
+    case("upsample_trilinear3d", [f32(1, 2, 3, 4, 10)],
+         lambda x: F.interpolate(x, scale_factor=(1.5, 2, 0.7), mode="trilinear", align_corners=True),
+         output_size=(4, 8, 7), align_corners=True, scales=(1.5, 2.0, 0.7)),
+    case("upsample_bicubic2d", [f32(1, 2, 5, 4)], lambda x: F.interpolate(x, (9, 5), mode="bicubic"),
+         output_size=(9, 5)),
+    case("upsample_bicubic2d", [f32(2, 7, 4)],
+         lambda x: F.interpolate(x[None], (3, 8), mode="bicubic", align_corners=True)[0],
+         output_size=(3, 8), align_corners=True))
+
+
+def _torch_dropout_mask(seed: torch.Tensor, shape=(3, 50), p=0.3, offset=7) -> torch.Tensor:
+    """The generator of ``kiln.ir.ops.random`` written again in torch: the spec of the op."""
+    prime = 2**31 - 1
+    s = seed.to(torch.int64) % prime
+    x = (torch.arange(math.prod(shape), dtype=torch.int64) + offset) % prime
+    h = x
+    for mult, inc in ((48271, 1), (16807, 3), (69621, 5)):
+        h = (h * mult + s + inc) % prime
+        h = (h * h + x) % prime
+    return (h >= round(p * prime)).reshape(shape)
+
+
+add(case("group_norm", [f32(2, 6, 5, 3), f32(6), f32(6)], lambda x, w, b: F.group_norm(x, 3, w, b, 1e-5),
+         groups=3),
+    case("group_norm", [f32(3, 4, 7)], lambda x: F.group_norm(x, 2, eps=1e-3), groups=2, eps=1e-3),
+    case("dropout_mask", [np.array(123456789, dtype=np.int64)], _torch_dropout_mask, shape=(3, 50), p=0.3,
+         offset=7))
+
+
+def _torch_random_uniform(seed: torch.Tensor, shape=(4, 25), offset=11, bits=24,
+                          dtype=torch.float32) -> torch.Tensor:
+    """``random_uniform`` written again in torch: ``floor(h / 2**(31 - bits)) * 2**-bits``."""
+    prime = 2**31 - 1
+    s = seed.to(torch.int64) % prime
+    x = (torch.arange(math.prod(shape), dtype=torch.int64) + offset) % prime
+    h = x
+    for mult, inc in ((48271, 1), (16807, 3), (69621, 5)):
+        h = (h * mult + s + inc) % prime
+        h = (h * h + x) % prime
+    return ((h >> (31 - bits)).to(torch.float64) * 2.0 ** -bits).to(dtype).reshape(shape)
+
+
+add(case("random_uniform", [np.array(987654321, dtype=np.int64)], _torch_random_uniform, tol=0.0,
+         shape=(4, 25), offset=11, dtype=DType.float32),
+    case("random_uniform", [np.array(5, dtype=np.int64)],
+         lambda s: _torch_random_uniform(s, (3, 0, 2), 0, 31, torch.float64), tol=0.0,
+         shape=(3, 0, 2), dtype=DType.float64),
+    case("random_uniform", [np.array(42, dtype=np.int64)],
+         lambda s: _torch_random_uniform(s, (7,), 2**30, 11, torch.float16), tol=0.0,
+         shape=(7,), offset=2**30, dtype=DType.float16))
+
+
 SDPA = "scaled_dot_product_attention"
 _SDPA = F.scaled_dot_product_attention
 _SCORE_MASK = bools(5, 7)
@@ -325,6 +536,31 @@ add(case("reshape", [f32(2, 3, 4)], lambda x: x.reshape(4, -1), shape=(4, -1)),
     case("triu", [ints(3, 3)], lambda x: x.triu(2), diagonal=2),
     case("repeat", [f32(2, 3)], lambda x: x.repeat(2, 1, 3), repeats=(2, 1, 3)),
     case("repeat", [ints(4)], lambda x: x.repeat(0), repeats=(0,)))
+add(case("argsort", [f32(3, 5)], lambda x: torch.argsort(x, dim=1, stable=True), dim=1),
+    case("argsort", [ints(4, 6, lo=0, hi=3)], lambda x: torch.argsort(x, dim=0, descending=True, stable=True),
+         dim=0, descending=True),
+    case("cumprod", [f32(3, 4)], lambda x: torch.cumprod(x, 1), dim=1),
+    case("cumprod", [ints(2, 5, lo=-2, hi=3)], lambda x: torch.cumprod(x, -1), dim=-1),
+    case("cumarg", [ints(3, 6, lo=0, hi=3).astype(np.float32)], lambda x: torch.cummax(x, 1).indices,
+         dim=1, mode="max"),
+    case("cumarg", [np.array([[1.0, np.nan, 3.0, np.nan, 0.5], [2.0, 2.0, -1.0, 2.0, 5.0]], np.float32)],
+         lambda x: torch.cummin(x, 1).indices, dim=1, mode="min"),
+    case("argsort", [np.array([[1.0, np.nan, 3.0, 1.0, np.nan, 0.5]], np.float32)],
+         lambda x: torch.argsort(x, dim=1, descending=True, stable=True), dim=1, descending=True),
+    case("cumarg", [ints(5, 2, lo=0, hi=3)], lambda x: torch.cummin(x, 0).indices, dim=0, mode="min"),
+    case("searchsorted", [np.array([-1.0, 0.0, 0.5, 1.0], np.float32), f32(3, 4)],
+         lambda s, v: torch.searchsorted(s, v), right=False),
+    case("searchsorted", [np.sort(f32(2, 5), axis=-1), f32(2, 3)],
+         lambda s, v: torch.searchsorted(s, v, right=True), right=True),
+    case("scatter", [f32(3, 4), np.array([[0, 2, 1, 2], [1, 0, 0, 1]], np.int64), f32(2, 5)],
+         lambda x, i, s: x.scatter(0, i, s[:, :4]), dim=0),
+    case("scatter_reduce", [f32(3, 4), ints(2, 4, lo=0, hi=3), f32(2, 4)],
+         lambda x, i, s: x.scatter_reduce(0, i, s, "amax", include_self=False), dim=0, reduce="amax",
+         include_self=False),
+    case("scatter_reduce", [f32(3, 4), ints(3, 2, lo=0, hi=4), f32(3, 2)],
+         lambda x, i, s: x.scatter_reduce(1, i, s, "mean"), dim=1, reduce="mean"),
+    case("scatter_reduce", [f32(3, 4), ints(2, 4, lo=0, hi=3), f32(2, 4)],
+         lambda x, i, s: x.scatter_reduce(0, i, s, "prod"), dim=0, reduce="prod"))
 add(case("scatter_add", [f32(3, 4), ints(2, 3, lo=0, hi=3), f32(2, 4)],
          lambda x, i, s: x.scatter_add(0, i, s), dim=0),
     case("index_put", [f32(3, 4, 5), f32(3, 2, 4), ints(2, lo=0, hi=3), ints(3, 1, lo=0, hi=5)],

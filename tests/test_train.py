@@ -12,6 +12,7 @@ import copy
 import numpy as np
 import pytest
 import torch
+from models import mlp
 from torch import nn
 
 import kiln
@@ -19,8 +20,6 @@ from kiln.backends.reference import run_graph
 from kiln.ir import DType, Graph, KilnError, TensorType
 from kiln.passes.optim import GroupSpec, append_optimizer
 from kiln.runtime import InputMismatchError
-
-from models import mlp
 
 STEPS = 50
 LOSS_TOL = 1e-3
@@ -56,9 +55,9 @@ def gpt2_batches(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [data[i % len(data)] for i in range(steps)]
 
 
-def eager_step(model, loss_fn, optimizer, x, y) -> float:
+def eager_step(model, loss_fn, optimizer, x, *targets) -> float:
     optimizer.zero_grad()
-    loss = loss_fn(model(x), y)
+    loss = loss_fn(model(x), *targets)
     loss.backward()
     optimizer.step()
     return loss.item()
@@ -279,7 +278,7 @@ def test_optimizer_ir_matches_torch_step_for_step(kind, flags, make):
         for slot in layout.hypers:
             value = {"beta1": group["betas"][0], "beta2": group["betas"][1]}.get(slot.name) \
                 if slot.name.startswith("beta") else group[slot.name]
-            feeds[slot.input] = np.float32(value)
+            feeds[slot.input] = np.float64(value)
         for slot in layout.states:
             shape = () if slot.key == "step" else shapes[int(slot.param[1:])]
             feeds[slot.input] = state.get((slot.param, slot.key), np.zeros(shape, np.float32))
@@ -292,6 +291,42 @@ def test_optimizer_ir_matches_torch_step_for_step(kind, flags, make):
         np.testing.assert_allclose(got, want.detach().numpy(), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("decoupled", [True, False], ids=["adamw", "adam"])
+def test_adam_scalar_arithmetic_is_float64_as_in_torch(decoupled):
+    """The updates themselves (new minus old param) match ``torch.optim`` to float32
+    rounding: the bias corrections ``1 - beta2 ** step`` are computed in float64 as PyTorch
+    does (in float32 the rounding of ``0.999 ** 2`` is 1.5e-5 of ``1 - 0.999 ** 2``, which
+    scaled every update of a step by one wrong factor: 0.9999968 at the second step)."""
+    shapes = [(256, 64)]
+    torch.manual_seed(0)
+    start = torch.randn(shapes[0])
+    param = nn.Parameter(start.clone())
+    optimizer = (torch.optim.AdamW if decoupled else torch.optim.Adam)([param], lr=1e-3, weight_decay=0.01)
+    graph, layout = append_optimizer(_grad_graph(shapes), [GroupSpec("adam", ("p0",),
+                                     decoupled_weight_decay=decoupled)], {"p0": 1})
+    state = {}
+    for i in range(5):
+        grad = torch.randn(shapes[0])
+        before = param.detach().clone()
+        param.grad = grad.clone()
+        optimizer.step()
+        feeds = [grad.numpy()] + [None] * (len(graph.inputs) - 1)
+        group = optimizer.param_groups[0]
+        for slot in layout.hypers:
+            feeds[slot.input] = np.float64({"beta1": group["betas"][0], "beta2": group["betas"][1]}
+                                           .get(slot.name, group.get(slot.name)))
+        for slot in layout.states:
+            feeds[slot.input] = state.get(slot.key, np.zeros(() if slot.key == "step" else shapes[0], np.float32))
+        outputs = run_graph(graph, feeds, [before.numpy()])
+        state = {s.key: outputs[s.output] for s in layout.states}
+        got = outputs[layout.params["p0"]].astype(np.float64) - before.numpy()
+        want = (param.detach() - before).double().numpy()
+        # the updates' common scale (kiln's projected on torch's): float32 rounding of single
+        # elements averages out of it, a wrong scalar factor does not
+        scale = float(got.ravel() @ want.ravel() / (want.ravel() @ want.ravel()))
+        assert abs(scale - 1) < 3e-7, f"step {i}: kiln's update is {scale:.8f} times torch's"
+
+
 def test_optimizer_ir_rejects_bad_specs():
     graph = _grad_graph([(2,)])
     with pytest.raises(KilnError, match=r"'p9' is not a param"):
@@ -300,3 +335,103 @@ def test_optimizer_ir_rejects_bad_specs():
         append_optimizer(graph, [GroupSpec("sgd", ("p0",))], {"p0": 0})
     with pytest.raises(KilnError, match=r"nesterov=True needs momentum"):
         GroupSpec("sgd", ("p0",), nesterov=True)
+
+
+# ------------------------------------------------------------------ against float64
+class ChannelsFirstLayerNorm(nn.Module):
+    """ConvNeXt's layer norm over the channels of NCHW, written by hand."""
+
+    def __init__(self, channels: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(channels))
+        self.bias = nn.Parameter(torch.zeros(channels))
+        self.eps = eps
+
+    def forward(self, x):
+        u = x.mean(1, keepdim=True)
+        s = (x - u).pow(2).mean(1, keepdim=True)
+        x = (x - u) / torch.sqrt(s + self.eps)
+        return self.weight[:, None, None] * x + self.bias[:, None, None]
+
+
+class ConvNeXtBlock(nn.Module):
+    def __init__(self, channels: int):
+        super().__init__()
+        self.dwconv = nn.Conv2d(channels, channels, 7, padding=3, groups=channels)
+        self.norm = ChannelsFirstLayerNorm(channels)
+        self.pw1 = nn.Conv2d(channels, 4 * channels, 1)
+        self.pw2 = nn.Conv2d(4 * channels, channels, 1)
+        self.gamma = nn.Parameter(1e-6 * torch.ones(channels))  # layer scale
+
+    def forward(self, x):
+        h = self.pw2(nn.functional.gelu(self.pw1(self.norm(self.dwconv(x)))))
+        return x + self.gamma[:, None, None] * h
+
+
+class TinyConvNeXt(nn.Module):
+    def __init__(self, channels: int = 16, classes: int = 5):
+        super().__init__()
+        self.stem = nn.Conv2d(3, channels, 2, stride=2)
+        self.stem_norm = ChannelsFirstLayerNorm(channels)
+        self.blocks = nn.Sequential(ConvNeXtBlock(channels), ConvNeXtBlock(channels))
+        self.head = nn.Linear(channels, classes)
+
+    def forward(self, x):
+        return self.head(self.blocks(self.stem_norm(self.stem(x))).mean((2, 3)))
+
+
+def convnext_batches(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(4, 3, 16, 16, generator=g), torch.randint(0, 5, (4,), generator=g))
+            for _ in range(steps)]
+
+
+def assert_matches_float64(model, loss_fn, make_optimizer, batches, **options):
+    """kiln's steps against eager float32 and eager float64 (``model.double()``) from the same
+    weights, judged by :mod:`kiln.zoo.compare`'s rule: every step's loss and, after the last
+    step, every parameter must be within 1e-4 relative of float64 or within 10x of eager
+    float32's own error.  A real difference in the compiled step fails; float32 error that
+    eager shares (e.g. Adam normalizing a tiny layer-scale gradient) passes and is reported
+    as ``by_float32_noise``.  Buffers (batch norm's running statistics) are judged by the same
+    rule, integer buffers (``num_batches_tracked``) must be equal.  Returns the step."""
+    from kiln.zoo.compare import compare
+
+    eager32, eager64 = copy.deepcopy(model), copy.deepcopy(model).double()
+    optimizers = [make_optimizer(m) for m in (model, eager32, eager64)]
+    step = kiln.compile_train(model, loss_fn, optimizers[0], batches[0], **options)
+    for i, (x, *targets) in enumerate(batches):
+        got = step(x, *targets)
+        want32 = torch.tensor(eager_step(eager32, loss_fn, optimizers[1], x, *targets))
+        want64 = torch.tensor(eager_step(eager64, loss_fn, optimizers[2], x.double(), *targets),
+                              dtype=torch.float64)
+        verdict = compare(f"loss at step {i}", got, want32, want64)
+        assert verdict.ok, verdict
+    failures = []
+    named = [*model.named_parameters(), *model.named_buffers()]
+    for (name, p), q, r in zip(named, [*eager32.parameters(), *eager32.buffers()],
+                               [*eager64.parameters(), *eager64.buffers()]):
+        if not p.is_floating_point():
+            if not torch.equal(p, q):
+                failures.append(f"{name}: {p.tolist()} but eager has {q.tolist()}")
+            continue
+        verdict = compare(name, p, q, r)
+        if not verdict.ok:
+            failures.append(f"{name}: {verdict.error:.2e} from float64 (eager float32: {verdict.eager_error:.2e})")
+    assert not failures, f"after {len(batches)} steps: " + "; ".join(failures)
+    return step
+
+
+def convnext_sgd(model):
+    return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+
+def convnext_adamw(model):
+    return torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.05)
+
+
+@pytest.mark.parametrize("make_optimizer", [convnext_sgd, convnext_adamw], ids=["sgd-momentum", "adamw"])
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_convnext_steps_match_float64(backend, make_optimizer):
+    torch.manual_seed(0)
+    assert_matches_float64(TinyConvNeXt(), nn.functional.cross_entropy, make_optimizer, convnext_batches(3),
+                           backend=backend)

@@ -15,10 +15,15 @@ training IR as it is, see :func:`kiln.compiler.capture.export_program`), then
   (:class:`~kiln.compiler.fallback.KilnFallbackWarning`), exactly as
   ``torch.compile(backend="kiln")`` does.
 
+Programs kiln cannot compile for a fixed input shape are refused at the export with
+:class:`~kiln.compiler.errors.UnsupportedOpError`, saying why: an op whose result or result
+shape depends on tensor values (``torch.equal``, ``allclose``, ``nonzero``...), a Python
+branch on a tensor value; complex inputs (kiln has no complex dtypes) raise ``KilnError``.
+
 The passes' result is cached too, keyed by the captured graph's text and the pipeline text.
-Caching assumes the forward's trace depends only on what the fingerprint sees (see
-:mod:`kiln.compiler.fingerprint`); turn it off with ``cache=False`` (a backend option of
-``"cpu"``) or ``KILN_CAPTURE_CACHE=0``.  ``compiled.stats["capture_cache"]`` and
+A hit needs a fingerprint that describes everything the program's code can read (see
+:mod:`kiln.compiler.fingerprint`); turn the cache off with ``cache=False`` or
+``capture_cache=False`` (any backend) or ``KILN_CAPTURE_CACHE=0``.  ``compiled.stats["capture_cache"]`` and
 ``["passes_cache"]`` say ``"hit"``, ``"miss"``, ``"off"`` or ``"uncacheable"``.
 
 Either way the result is a :class:`~kiln.runtime.CompiledModule`: called like the model,
@@ -45,6 +50,7 @@ from kiln.ir import Graph, KilnError
 from kiln.runtime import CompiledModule, InputSlot, tensor_type
 
 from . import capture as capture_mod
+from .aten import has_kiln_dtype
 from .autograd import DifferentiableGraph, GradModeRunner, TrainableCompiledModule
 from .capture_cache import CaptureCache
 from .errors import CaptureError, UnsupportedOpError
@@ -71,22 +77,25 @@ def compile(model_or_function: torch.nn.Module | Callable[..., Any], example_inp
         strict: raise :class:`UnsupportedOpError` instead of running unsupported ops in
             PyTorch.
         example_kwargs: keyword arguments of the example call.
-        **options: options of the backend, e.g. ``float64=True`` for ``"reference"``;
-            ``cache`` and ``cache_dir`` (``"cpu"``) also govern the capture cache.
+        **options: options of the backend, e.g. ``float64=True`` for ``"reference"``; with
+            any backend, ``cache=False`` turns the capture cache off (and the backend's
+            compile cache, where it has one), ``capture_cache=False`` the capture cache
+            only, and ``cache_dir`` is the folder of both.
     """
     module = as_module(model_or_function)
     args = as_args(example_inputs)
     kwargs = dict(example_kwargs or {})
     builder = get_backend(backend)
+    cache = CaptureCache.for_options(options)  # cache, cache_dir, capture_cache: any backend
+    options = CaptureCache.backend_options(options, builder)
     builder.resolve_options(options)  # reject unknown options before the slow export
     transform = resolve_passes(passes)
     name = _model_name(model_or_function)
-    cache = CaptureCache.for_options(options)
     key = cache.capture_key(module, args, kwargs, name)
     captured = cache.load_capture(key, module)
     if captured is not None:
         return _compile_whole(captured, args, kwargs, builder, options, transform, name, cache, "hit")
-    ep = capture_mod.export_program(module, args, kwargs)
+    ep = _export(module, args, kwargs)
     state = "miss" if key is not None else ("uncacheable" if cache.enabled else "off")
     if strict:  # capture raises the first unsupported node's UnsupportedOpError
         captured = capture_mod.capture_program(ep, name=name)
@@ -108,8 +117,66 @@ def capture(model: torch.nn.Module | Callable[..., Any], example_inputs: Any,
             example_kwargs: Mapping[str, Any] | None = None) -> Graph:
     """The kiln graph of ``model`` on the example inputs. Always strict: an ATen op kiln
     cannot lower raises :class:`UnsupportedOpError` naming the op and the source line."""
-    captured = capture_mod.capture(as_module(model), as_args(example_inputs), dict(example_kwargs or {}))
+    args, kwargs = as_args(example_inputs), dict(example_kwargs or {})
+    captured = capture_mod.capture_program(_export(as_module(model), args, kwargs))
     return captured.graph
+
+
+# ------------------------------------------------------------------ export errors
+
+_DATA_DEPENDENT_HINT = (
+    "kiln compiles programs whose shapes and control flow follow from the input shapes alone. "
+    "Compute this part in PyTorch outside the compiled function, or use "
+    "torch.compile(model, backend='kiln'), which runs it in PyTorch (a graph break)."
+)
+
+
+def _input_types(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+    leaves = pytree.tree_leaves((args, kwargs))
+    return ", ".join(str(tensor_type(t)) if isinstance(t, torch.Tensor) and has_kiln_dtype(t.dtype)
+                     else (f"{t.dtype}{list(t.shape)}" if isinstance(t, torch.Tensor) else repr(t))
+                     for t in leaves)
+
+
+def _check_input_dtypes(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    for i, t in enumerate(pytree.tree_leaves((args, kwargs))):
+        if isinstance(t, torch.Tensor) and not has_kiln_dtype(t.dtype):
+            what = "complex numbers" if t.is_complex() else f"dtype {t.dtype}"
+            raise KilnError(
+                f"kiln cannot compile a program with input {i} of type {t.dtype}{list(t.shape)}: kiln has "
+                f"no {what} (inputs: {_input_types(args, kwargs)}). Pass real tensors (e.g. "
+                "torch.view_as_real(x)) or run this program in PyTorch.")
+
+
+def _export(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> ExportedProgram:
+    """:func:`capture_mod.export_program`, with torch.export's refusals of data-dependent
+    programs (an op whose result or shape depends on tensor values, or a branch on one)
+    turned into :class:`UnsupportedOpError`."""
+    from torch._subclasses.fake_tensor import (
+        DataDependentOutputException,
+        DynamicOutputShapeException,
+    )
+    from torch.fx.experimental.symbolic_shapes import (
+        GuardOnDataDependentSymNode,
+        PendingUnbackedSymbolNotFound,
+    )
+
+    _check_input_dtypes(args, kwargs)
+    try:
+        return capture_mod.export_program(module, args, kwargs)
+    except (DataDependentOutputException, DynamicOutputShapeException) as e:
+        func = getattr(e, "func", None)
+        kind = "output shape" if isinstance(e, DynamicOutputShapeException) else "result"
+        raise UnsupportedOpError(
+            str(func) if func is not None else "<data-dependent op>", _input_types(args, kwargs), None,
+            f"its {kind} depends on the values of its inputs, not only their shapes "
+            "(a data-dependent op)", hint=_DATA_DEPENDENT_HINT) from e
+    except (GuardOnDataDependentSymNode, PendingUnbackedSymbolNotFound) as e:
+        first = str(e).strip().split("\n")[0]
+        raise UnsupportedOpError(
+            "<data-dependent program>", _input_types(args, kwargs), None,
+            f"the program branches on, or sizes a result by, tensor values ({first})",
+            hint=_DATA_DEPENDENT_HINT) from e
 
 
 # ------------------------------------------------------------------ arguments
@@ -128,6 +195,11 @@ def as_module(model_or_function: Any) -> torch.nn.Module:
     if isinstance(model_or_function, torch.nn.Module):
         return model_or_function
     if callable(model_or_function):
+        call = vars(type(model_or_function)).get("__call__") or type(model_or_function).__call__
+        if not hasattr(model_or_function, "__code__") and hasattr(call, "__code__"):
+            # an object with a Python __call__: compile the bound method (torch.export reads
+            # the signature from its code)
+            return _FunctionModule(model_or_function.__call__)
         return _FunctionModule(model_or_function)
     raise TypeError(
         f"kiln.compile expects an nn.Module or a function, got {type(model_or_function).__name__}")

@@ -13,11 +13,18 @@ the reason when it is not.  ``lower(ctx, *args)`` sees kiln :class:`~kiln.ir.Val
 place of tensors and returns a ``Value``, or a sequence for multi-result ops whose entries may
 be zero-argument callables, built only if a ``getitem`` asks for them.
 
-The rules themselves live by family in :mod:`kiln.compiler.aten_math` (elementwise, casts,
-reductions), :mod:`kiln.compiler.aten_layout` (layout, indexing, creation),
-:mod:`kiln.compiler.aten_nn` (linalg, conv, pooling, upsampling, embedding),
-:mod:`kiln.compiler.aten_norm` (batch/layer/RMS norm) and :mod:`kiln.compiler.aten_attention`
-(attention); importing this module registers all of them.
+The rules themselves live by family, one module each: :mod:`~kiln.compiler.aten_math`
+(elementwise, special functions, casts, reductions), :mod:`~kiln.compiler.aten_layout`
+(layout, creation, padding), :mod:`~kiln.compiler.aten_indexing` (sorting, scans, scatters,
+index writes), :mod:`~kiln.compiler.aten_linalg` (factorizations and solvers),
+:mod:`~kiln.compiler.aten_nn` (matmul, conv, pooling, upsampling, embedding),
+:mod:`~kiln.compiler.aten_norm` (batch/layer/group/RMS norm, dropout),
+:mod:`~kiln.compiler.aten_attention` (attention), :mod:`~kiln.compiler.aten_transformer`
+(``nn.TransformerEncoderLayer``'s and ``nn.MultiheadAttention``'s fused inference ops),
+:mod:`~kiln.compiler.aten_random` (random numbers), :mod:`~kiln.compiler.aten_statistics`
+(histograms, mode, median, segment reductions) and :mod:`~kiln.compiler.aten_sampling`
+(grid sampling, antialiased resizing, embedding bags, pdist); in-place calls are in
+:mod:`~kiln.compiler.aten_inplace`.  Importing this module registers all of them.
 """
 
 from __future__ import annotations
@@ -243,9 +250,15 @@ def rule_for(target: Any) -> AtenRule | None:
 
 from . import (  # noqa: E402,F401  (register the rules)
     aten_attention,
+    aten_indexing,
     aten_inplace,
     aten_layout,
+    aten_linalg,
     aten_math,
     aten_nn,
     aten_norm,
+    aten_random,
+    aten_sampling,
+    aten_statistics,
+    aten_transformer,
 )

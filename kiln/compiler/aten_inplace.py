@@ -24,14 +24,23 @@ from typing import Any
 import torch
 
 from . import aten_layout, aten_math, aten_nn  # noqa: F401  (the functional rules come first)
-from .aten import ATEN_TABLE, AtenRule, LoweringContext, aten, optional_ops, rule_for
+from .aten import (
+    ATEN_TABLE,
+    AtenRule,
+    LoweringContext,
+    aten,
+    lowers,
+    optional_ops,
+    rule_for,
+)
 
 FRESH_OPS: frozenset[Any] = frozenset(
     getattr(aten, name) for name in (
         "conv1d", "conv2d", "conv3d", "convolution", "batch_norm", "layer_norm", "group_norm",
         "linear", "addmm", "mm", "bmm", "add", "sub", "rsub", "mul", "div", "neg", "relu",
         "gelu", "silu", "sigmoid", "tanh", "hardtanh", "leaky_relu", "clamp", "exp", "pow",
-        "where", "clone", "cat", "max_pool2d", "avg_pool2d", "embedding",
+        "where", "clone", "cat", "max_pool2d", "avg_pool2d", "max_pool3d", "avg_pool3d",
+        "conv_transpose1d", "conv_transpose2d", "conv_transpose3d", "embedding",
         "scaled_dot_product_attention", "softmax", "log_softmax",
     ) if hasattr(aten, name)
 )
@@ -110,3 +119,10 @@ for _inplace in optional_ops(*_INPLACE_OPS):
         continue
     _FUNCTIONAL_OF[_inplace] = _functional
     ATEN_TABLE[_inplace] = _inplace_rule(_functional, _rule)
+
+
+@lowers(*optional_ops("detach_"))
+def _detach_(ctx: LoweringContext, x: Any) -> Any:
+    """``detach_`` changes autograd metadata only, never values: the tensor itself.  (Export
+    emits it for tensors a module builds with ``torch.tensor(...)``.)"""
+    return x

@@ -15,6 +15,7 @@ import re
 from typing import Any
 
 import torch
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from torch.utils import _pytree as pytree
 
 from .aten import IGNORED_OPS, has_kiln_dtype, kiln_dtype, meta, rule_for
@@ -61,16 +62,33 @@ def describe_inputs(node: torch.fx.Node) -> str:
     return ", ".join(parts)
 
 
+_DYNAMIC = ("kiln supports only static shapes today: export without dynamic_shapes, or use "
+            "torch.compile(dynamic=False)")
+_DATA_DEPENDENT = ("its size depends on tensor values (an unbacked size such as u0, made by an "
+                   "op like nonzero, masked_select, x[mask] or .item()); kiln compiles static "
+                   "shapes: compute with a fixed shape instead (torch.where(mask, x, other), "
+                   "x.masked_fill(~mask, value), a fixed-size topk), or leave strict=False so that "
+                   "this part runs in PyTorch")
+
+
+def _is_data_dependent(val: Any) -> bool:
+    """Whether a symbolic size or value is unbacked (made from tensor data, ``u0``) rather
+    than a dynamic dimension the user asked for (``s0``)."""
+    return bool(free_unbacked_symbols(val))
+
+
 def bad_value(val: Any) -> str | None:
     """Why an example value (fake tensor, scalar, or nest of them) cannot enter kiln."""
     if isinstance(val, (torch.SymInt, torch.SymFloat, torch.SymBool)):
-        return ("the program has symbolic (dynamic) sizes; kiln supports only static shapes "
-                "today: export without dynamic_shapes, or use torch.compile(dynamic=False)")
+        if _is_data_dependent(val):
+            return f"the program computes a Python number ({val}) from tensor data: " + _DATA_DEPENDENT
+        return "the program has symbolic (dynamic) sizes; " + _DYNAMIC
     if isinstance(val, torch.Tensor):
         if any(isinstance(d, torch.SymInt) for d in val.shape):
-            return (f"the tensor has a symbolic shape {tuple(val.shape)}; kiln supports only "
-                    "static shapes today: export without dynamic_shapes, or use "
-                    "torch.compile(dynamic=False)")
+            shape = tuple(val.shape)
+            if _is_data_dependent(val):
+                return f"the tensor has a data-dependent shape {shape}: " + _DATA_DEPENDENT
+            return f"the tensor has a symbolic shape {shape}; " + _DYNAMIC
         if not has_kiln_dtype(val.dtype):
             return f"dtype {val.dtype} has no kiln equivalent"
         return None
@@ -117,10 +135,22 @@ def unsupported_reason(node: torch.fx.Node) -> str | None:
     for value in [node.meta.get("val"), *(meta(a) for a in _flat_args(node))]:
         reason = bad_value(value)
         if reason:
-            return reason
+            # A rule that knows why this call cannot be lowered (e.g. x[mask]: a
+            # data-dependent result) says it better than the generic shape message; its
+            # check may not expect symbolic sizes, so a failing check leaves the generic one.
+            return _rule_reason(rule, node) or reason
     if rule.check is not None:
         return rule.check(node, *bind_arguments(node))
     return None
+
+
+def _rule_reason(rule: Any, node: torch.fx.Node) -> str | None:
+    if rule.check is None:
+        return None
+    try:
+        return rule.check(node, *bind_arguments(node))
+    except (TypeError, ValueError, ArithmeticError, LookupError, AttributeError, RuntimeError):
+        return None  # a check written for static sizes, failing on a symbolic one
 
 
 def _flat_args(node: torch.fx.Node) -> list[Any]:

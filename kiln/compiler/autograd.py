@@ -34,13 +34,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 from torch.autograd.function import once_differentiable
 
 from kiln.backends import Backend
 from kiln.ir import Graph, KilnError, TensorType
 from kiln.ir.ops.vjp import is_nondifferentiable
 from kiln.passes.autodiff import grad_graph, split_joint
+from kiln.passes.custom import inline_custom_vjp
 from kiln.runtime import CompiledModule, torch_dtype
 
 GraphTransform = Callable[[Graph], Graph]
@@ -91,10 +91,13 @@ class DifferentiableGraph:
         self.policy = policy
         self._names = [v.name for v in (*graph.inputs, *graph.params)]
         self._floating = [v.dtype.is_floating for v in (*graph.inputs, *graph.params)]
+        # a graph without floating-point outputs (none at all: Dynamo returns views of the
+        # inputs itself) has nothing to differentiate and always runs its inference build
+        self._differentiable = any(v.dtype.is_floating for v in graph.outputs)
         self._pairs: dict[tuple[int, ...], _Pair] = {}
 
     def needs_grad(self, tensors: Sequence[torch.Tensor]) -> bool:
-        if not torch.is_grad_enabled():
+        if not torch.is_grad_enabled() or not self._differentiable:
             return False
         return any(f and t.requires_grad for f, t in zip(self._floating, tensors))
 
@@ -120,6 +123,9 @@ class DifferentiableGraph:
         wrt = [self._names[i] for i in positions]
         joint = grad_graph(self.graph, wrt=wrt, output_cotangents=True)
         forward, backward, info = split_joint(joint, policy=self.policy)
+        # torch.autograd.Function nodes were differentiated with their own backward: from
+        # here on they are their forward computation
+        forward, backward = inline_custom_vjp(forward), inline_custom_vjp(backward)
         if self.transform is not None:
             forward = _checked(self.transform, forward)
             backward = _checked(self.transform, backward)
@@ -128,6 +134,8 @@ class DifferentiableGraph:
         cotangent_of = {name: index for index, name in joint.cotangent_inputs.items()}
         cotangent_outputs = [cotangent_of[name] for name in info.cotangent_inputs]
         outputs = self.graph.outputs
+        reaches = [_outputs_reached(self.graph, name) for name, _ in by_output]
+        cut = _outputs_cut_off(self.graph, [name for name, _ in by_output])
         return _Pair(
             forward=self.backend.build(forward, self.options),
             backward=self.backend.build(backward, self.options),
@@ -135,8 +143,10 @@ class DifferentiableGraph:
             wrt_positions=[position_of[name] for name, _ in by_output],
             cotangent_outputs=cotangent_outputs,
             cotangent_types=[outputs[i].type for i in cotangent_outputs],
-            differentiable=[v.dtype.is_floating for v in outputs],
-            reaches=[_outputs_reached(self.graph, name) for name, _ in by_output],
+            # an output that depends on the inputs only through an op whose result eager
+            # never lets require grad (a detached value, LU's permutation) does not require grad
+            differentiable=[v.dtype.is_floating and i not in cut for i, v in enumerate(outputs)],
+            reaches=reaches,
             saved_bytes=info.saved_bytes,
         )
 
@@ -151,6 +161,28 @@ def _outputs_reached(graph: Graph, name: str) -> frozenset[int]:
             continue
         reached.update(v for v in node.outputs if v.dtype.is_floating)
     return frozenset(i for i, v in enumerate(graph.outputs) if v in reached)
+
+
+CUTTING_OPS = frozenset({"stop_gradient", "lu_permutation"})
+"""Ops whose results never require grad in eager, whatever their inputs (``detach``, and
+outputs PyTorch's derivative formulas declare non-differentiable)."""
+
+
+def _outputs_cut_off(graph: Graph, names: Sequence[str]) -> frozenset[int]:
+    """Indices of the outputs that depend on the inputs/params ``names`` only through
+    :data:`CUTTING_OPS`."""
+    sources = {v for v in (*graph.inputs, *graph.params) if v.name in names}
+
+    def reach(skip: frozenset[str]) -> set:
+        reached = set(sources)
+        for node in graph.nodes:
+            if node.kind in skip or not any(v in reached for v in node.inputs):
+                continue
+            reached.update(node.outputs)
+        return reached
+
+    everything, kept = reach(frozenset()), reach(CUTTING_OPS)
+    return frozenset(i for i, v in enumerate(graph.outputs) if v in everything and v not in kept)
 
 
 def _checked(transform: GraphTransform, graph: Graph) -> Graph:
@@ -226,6 +258,9 @@ class TrainableCompiledModule(CompiledModule):
                  **kwargs: Any):
         super().__init__(executable, **kwargs)
         self.differentiable = differentiable
+        if isinstance(differentiable, DifferentiableGraph):
+            # the captured graph keeps the names of its buffer-update outputs
+            self.bind_state(differentiable.graph)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         flat = self._flatten(args, kwargs)
@@ -233,13 +268,15 @@ class TrainableCompiledModule(CompiledModule):
         if not self.differentiable.needs_grad(tensors):
             return super().__call__(*args, **kwargs)
         start = time.perf_counter()
+        if self.state is not None:
+            self.state.before()
         outputs = self.differentiable(tensors)
+        if self.state is not None:
+            outputs = self.state.after(outputs, tensors)
         self._last_s = time.perf_counter() - start
         self._total_s += self._last_s
         self._calls += 1
-        if self.out_spec is None:
-            return outputs[0] if len(outputs) == 1 else tuple(outputs)
-        return pytree.tree_unflatten(list(outputs), self.out_spec)
+        return self._structured(outputs)
 
 
 __all__ = ["DifferentiableGraph", "GradModeRunner", "KilnFunction", "TrainableCompiledModule"]

@@ -50,8 +50,17 @@ import torch
 from torch.utils import _pytree as pytree
 
 from kiln.ir import Graph, OpTypeError, TensorType, Value
+from kiln.ir.ops.random import RNG_SEED_PARAM
+from kiln.runtime.module import BUFFER_UPDATE_PREFIX, INPUT_UPDATE_PREFIX
 
-from .aten import IGNORED_OPS, LoweringContext, kiln_dtype, rule_for, tensor_type
+from .aten import (
+    IGNORED_OPS,
+    LoweringContext,
+    kiln_dtype,
+    lowers,
+    rule_for,
+    tensor_type,
+)
 from .aten_support import (
     bad_value,
     bind_arguments,
@@ -71,16 +80,25 @@ _KEPT_OPS = (
     "scaled_dot_product_attention.default", "upsample_nearest2d.default",
     "upsample_nearest2d.vec", "upsample_bilinear2d.vec", "matmul.default", "linear.default",
     "tril.default", "triu.default", "adaptive_avg_pool2d.default", "max_pool2d.default",
-    "masked_fill.Scalar", "masked_fill.Tensor",
+    "masked_fill.Scalar", "masked_fill.Tensor", "native_dropout.default", "group_norm.default",
+    "native_group_norm.default", "roll.default", "diagonal.default", "unfold.default",
+    "rot90.default", "diag.default", "diag_embed.default", "take_along_dim.default",
+    "upsample_nearest1d.vec", "upsample_nearest3d.vec", "_upsample_nearest_exact1d.vec",
+    "_upsample_nearest_exact2d.vec", "_upsample_nearest_exact3d.vec", "upsample_linear1d.vec",
+    "upsample_bicubic2d.vec", "upsample_trilinear3d.vec",
+    "_scaled_dot_product_flash_attention_for_cpu.default",
+    "detach.default",  # torch decomposes it to alias, losing the stop of the gradient
+    "special_log_ndtr.default",  # its decomposition has NaN gradients far in the lower tail
 )
 
 
 def decomposition_table() -> dict[Any, Any]:
     """The decomposition table kiln exports with: core ATen minus the ops kiln maps directly.
 
-    Starts from ``torch.export.default_decompositions()`` and removes silu, layer and RMS
-    norm, softmax/log_softmax, scaled dot-product attention, upsampling, matmul/linear,
-    tril/triu, max/adaptive pooling and masked_fill, so they reach kiln whole (gelu, conv,
+    Starts from ``torch.export.default_decompositions()`` and removes the ops of
+    ``_KEPT_OPS`` (silu, layer/group/RMS norm, softmax/log_softmax, scaled dot-product
+    attention, every upsampling mode, matmul/linear, tril/triu, max/adaptive pooling,
+    masked_fill, dropout, roll, diagonal, unfold...), so they reach kiln whole (gelu, conv,
     batch norm, embedding... are core ATen and stay whole anyway).  Returns a new plain dict
     (op overload -> decomposition) that callers may edit; usable with
     ``ExportedProgram.run_decompositions`` and ``make_fx(decomposition_table=...)``.
@@ -108,11 +126,102 @@ def export_program(model: torch.nn.Module, args: tuple, kwargs: dict | None = No
     :func:`decompose_program` of it, functionalized and decomposed with
     :func:`decomposition_table`.  ``decompose=False`` never decomposes.
     """
-    ep = torch.export.export(model, tuple(args), dict(kwargs or {}), strict=False)
+    _refuse_cumulative_batch_norm(model)
+    with marked_function_outputs():
+        ep = torch.export.export(model, tuple(args), dict(kwargs or {}), strict=False)
     if decompose is True or (decompose is None and lowering_blockers(ep)):
         return ep.run_decompositions(decomposition_table())
     ep.graph_module.meta[_UNDECOMPOSED] = True
     return ep
+
+
+# ----------------------------------------------- torch.autograd.Function under export
+# torch.export traces a torch.autograd.Function's forward inline and drops its backward;
+# differentiating the inlined forward would silently replace the user's backward (a
+# straight-through estimator's is deliberately not the forward's derivative).  While kiln
+# exports, ``Function.apply`` therefore asks Dynamo for the Function's forward and backward
+# bodies, as ``torch.compile`` sees them, and records the call as one
+# ``kiln::autograd_function`` op (:func:`kiln.compiler.dynamo.export_function`), lowered to a
+# ``custom_vjp`` node with the user's backward.  When Dynamo cannot trace the Function, every
+# tensor it returns passes through ``kiln::function_output`` instead, which kiln lowers to a
+# ``custom_vjp`` node without a backward: inference inlines it, and gradients through it
+# raise a KilnError naming the Function and saying why its backward is unknown.
+
+
+@torch.library.custom_op("kiln::function_output", mutates_args=())
+def _function_output(x: torch.Tensor, name: str, why: str) -> torch.Tensor:
+    """An output of the torch.autograd.Function ``name`` whose backward kiln does not know,
+    for the reason ``why`` (identity)."""
+    return x.clone()
+
+
+@_function_output.register_fake
+def _function_output_fake(x: torch.Tensor, name: str, why: str) -> torch.Tensor:
+    return x.clone()
+
+
+def _function_output_backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+    return grad, None, None
+
+
+_function_output.register_autograd(_function_output_backward)
+
+
+class marked_function_outputs:
+    """Context manager: ``torch.autograd.Function.apply`` of a user's Function records the
+    call as ``kiln::autograd_function`` with the Function's own backward, or marks its tensor
+    outputs with ``kiln::function_output`` when Dynamo cannot trace it (see above); restores
+    ``apply`` on exit."""
+
+    def __enter__(self) -> None:
+        function = torch.autograd.Function
+        self._original = function.__dict__["apply"]
+        original = self._original.__func__
+
+        def apply(cls: Any, *args: Any, **kwargs: Any) -> Any:
+            from . import dynamo as dynamo_mod
+
+            if str(getattr(cls, "__module__", "")).startswith("torch.") or dynamo_mod.tracing_function():
+                return original(cls, *args, **kwargs)  # torch's own Functions (custom ops' autograd...)
+            try:
+                return dynamo_mod.export_function(cls, args, kwargs)
+            except dynamo_mod.FunctionNotTraced as e:
+                why = str(e)
+            out = original(cls, *args, **kwargs)
+            name = getattr(cls, "__qualname__", "torch.autograd.Function")
+            return pytree.tree_map_only(torch.Tensor, lambda t: _function_output(t, name, why), out)
+
+        function.apply = classmethod(apply)
+
+    def __exit__(self, *exc: object) -> None:
+        torch.autograd.Function.apply = self._original
+
+
+@lowers(torch.ops.kiln.function_output.default)
+def _lower_function_output(ctx: LoweringContext, x: Value, name: str, why: str = "") -> Value:
+    """A ``custom_vjp`` node whose forward is the identity and whose backward is unknown."""
+    forward = Graph(f"{name}.forward")
+    forward.set_outputs([forward.add_input("x", x.type)])
+    return ctx.graph.add_node("custom_vjp", [x], {"forward": forward, "name": name, "why": why},
+                              loc=ctx.loc).output
+
+
+def _refuse_cumulative_batch_norm(model: torch.nn.Module) -> None:
+    """Train-mode batch norm with ``momentum=None`` (a cumulative moving average) computes its
+    update factor as ``1 / float(num_batches_tracked)``, from a buffer's value, which
+    torch.export cannot trace: say so, naming the module, before torch.export fails."""
+    from torch.nn.modules.batchnorm import _BatchNorm
+
+    for name, module in model.named_modules():
+        if isinstance(module, _BatchNorm) and module.training and module.track_running_stats \
+                and module.momentum is None:
+            raise UnsupportedOpError(
+                f"{type(module).__name__} '{name or type(module).__name__}'", "momentum=None", None,
+                "train-mode batch norm with momentum=None (a cumulative moving average) divides "
+                "by the value of its num_batches_tracked buffer, which torch.export cannot trace",
+                hint="Train it through torch.compile(model, backend='kiln'), which compiles this "
+                "module; or give it a float momentum (e.g. momentum=0.1); or call model.eval() "
+                "for inference.")
 
 
 def is_undecomposed(ep: torch.export.ExportedProgram) -> bool:
@@ -144,11 +253,14 @@ def lowering_blockers(ep: torch.export.ExportedProgram, limit: int = 8) -> list[
         reason = unsupported_reason(node) if node.op == "call_function" else f"FX node kind {node.op}"
         if reason is not None:
             reasons.append(f"{node.name} ({node.target}): {reason}")
-    kept = (InputKind.USER_INPUT, InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR)
+    kept = (InputKind.USER_INPUT, InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR,
+            InputKind.TOKEN)
     reasons += [f"input {s.arg} of kind {s.kind.name}" for s in ep.graph_signature.input_specs
                 if s.kind not in kept]
     out_node = next(n for n in ep.graph.nodes if n.op == "output")
     for arg, spec in zip(out_node.args[0], ep.graph_signature.output_specs):
+        if spec.kind == OutputKind.TOKEN:
+            continue
         if spec.kind != OutputKind.USER_OUTPUT:
             reasons.append(f"output {spec.arg} of kind {spec.kind.name}")
         elif not isinstance(arg, torch.fx.Node) or not isinstance(arg.meta.get("val"), torch.Tensor):
@@ -219,7 +331,7 @@ class _Lowerer:
         return arg
 
     def lower(self, node: torch.fx.Node) -> None:
-        if node not in self.live:  # dead code (make_fx keeps it); every lowered op is pure
+        if node not in self.live:  # dead code (make_fx keeps it); writes are always live
             self.env[node] = None
             return
         loc = source_location(node)
@@ -280,12 +392,21 @@ class _Lowerer:
 
 
 def _live_nodes(fx_graph: torch.fx.Graph) -> set[torch.fx.Node]:
-    """Nodes the output depends on."""
+    """Nodes the output depends on, and every call that writes in place (with what it
+    reads): a write is an effect even when nothing uses its result, so it is lowered -- its
+    rule decides whether the write is unobservable (:mod:`kiln.compiler.aten_inplace`) -- or
+    refused, never dropped."""
     live: set[torch.fx.Node] = set()
     for node in reversed(fx_graph.nodes):
-        if node.op == "output" or any(user in live for user in node.users):
+        if node.op == "output" or is_mutating(node) or any(user in live for user in node.users):
             live.add(node)
     return live
+
+
+def is_mutating(node: torch.fx.Node) -> bool:
+    """Whether ``node`` calls an op whose schema writes one of its arguments."""
+    schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
+    return schema is not None and schema.is_mutable
 
 
 def _fresh(name: str, used: set[str]) -> str:
@@ -334,6 +455,7 @@ def _lower_program(ep: torch.export.ExportedProgram, name: str) -> Captured:
     from torch.export.graph_signature import InputKind, OutputKind
 
     graph = Graph(name)
+    _drop_effect_tokens(ep.graph)
     lowerer = _Lowerer(graph, ep.graph)
     used: set[str] = set()
     params: dict[str, torch.Tensor] = {}
@@ -342,6 +464,7 @@ def _lower_program(ep: torch.export.ExportedProgram, name: str) -> Captured:
     user_names: list[str] = []
     positions: list[int] = []
     placeholders = [n for n in ep.graph.nodes if n.op == "placeholder"]
+    input_of: dict[str, str] = {}  # placeholder name -> kiln input name
     user_index = 0
     for node, spec in zip(placeholders, ep.graph_signature.input_specs):
         if spec.kind == InputKind.USER_INPUT:
@@ -349,6 +472,7 @@ def _lower_program(ep: torch.export.ExportedProgram, name: str) -> Captured:
             if isinstance(node.meta.get("val"), torch.Tensor):
                 v = graph.add_input(_fresh(node.name, used), _placeholder_type(node))
                 lowerer.bind(node, v)
+                input_of[spec.arg.name] = v.name
                 input_names.append(v.name)
                 positions.append(user_index)
             user_index += 1
@@ -362,6 +486,8 @@ def _lower_program(ep: torch.export.ExportedProgram, name: str) -> Captured:
         elif spec.kind == InputKind.CONSTANT_TENSOR:
             data = _to_numpy(ep.constants[spec.target])
             lowerer.bind(node, graph.add_constant(data, kiln_dtype(ep.constants[spec.target].dtype)))
+        elif spec.kind == InputKind.TOKEN:  # see _drop_effect_tokens
+            lowerer.bind(node, None)
         else:
             raise UnsupportedOpError("placeholder", describe_value(node.meta.get("val")), None,
                                      f"input '{node.name}' of kind {spec.kind.name} is not supported",
@@ -370,18 +496,81 @@ def _lower_program(ep: torch.export.ExportedProgram, name: str) -> Captured:
     lowerer.lower_all(ep.graph)
     out_node = next(n for n in ep.graph.nodes if n.op == "output")
     outputs = []
+    updates: list[tuple[Any, str]] = []
+    input_updates: list[tuple[Any, str]] = []
+    param_of_target = {target: name for name, target in targets.items()}
     for arg, spec in zip(out_node.args[0], ep.graph_signature.output_specs):
+        if spec.kind == OutputKind.TOKEN:
+            continue
+        if spec.kind == OutputKind.BUFFER_MUTATION and spec.target in param_of_target:
+            updates.append((lowerer.output(out_node, arg, f"the new value of buffer {spec.target}"),
+                            param_of_target[spec.target]))
+            continue
+        if spec.kind == OutputKind.USER_INPUT_MUTATION and spec.target in input_of:
+            input_updates.append((lowerer.output(out_node, arg, f"the new value of input {spec.target}"),
+                                  input_of[spec.target]))
+            continue
         if spec.kind != OutputKind.USER_OUTPUT:
             raise UnsupportedOpError(
                 str(getattr(arg, "target", "output")), describe_value(arg), source_location(arg)
                 if isinstance(arg, torch.fx.Node) else None,
                 f"the program updates {spec.kind.name.lower()} '{spec.target}' in place",
-                hint="kiln compiles pure inference programs: call model.eval() and avoid in-place "
-                "updates of inputs and buffers.")
+                hint="kiln compiles programs whose only in-place updates are of buffers and "
+                "tensor inputs: avoid in-place updates of parameters.")
         outputs.append(lowerer.output(out_node, arg, "an output"))
     graph.set_outputs(outputs)
+    add_buffer_updates(graph, updates)
+    add_buffer_updates(graph, input_updates, INPUT_UPDATE_PREFIX)
+    _bind_seed(graph, params)
     return Captured(graph, params, input_names, ep.call_spec.in_spec, ep.call_spec.out_spec,
                     positions, user_names, targets)
+
+
+def _drop_effect_tokens(fx_graph: torch.fx.Graph) -> None:
+    """torch.export threads an effect token (a TOKEN input and output) through calls of ops
+    with side effects, wrapped in ``with_effects``.  The only such ops kiln meets are checks
+    it ignores (:data:`IGNORED_OPS`, e.g. ``_linalg_check_errors`` of a factorization):
+    their calls are dropped and the token passes through, so the TOKEN input and output are
+    unused and skipped.  A ``with_effects`` call of any other op stays, and is refused."""
+    effects = getattr(torch.ops.higher_order, "with_effects", None)
+    for node in list(fx_graph.nodes):
+        if node.op != "call_function" or node.target is not effects or node.args[1] not in IGNORED_OPS:
+            continue
+        for user in list(node.users):
+            if user.target is operator.getitem and user.args[1] == 0:
+                user.replace_all_uses_with(node.args[0])
+                fx_graph.erase_node(user)
+        if not node.users:
+            fx_graph.erase_node(node)
+
+
+def add_buffer_updates(graph: Graph, updates: Sequence[tuple[Value, str]],
+                       prefix: str = BUFFER_UPDATE_PREFIX) -> None:
+    """Append the new value of each updated buffer (graph param name) to ``graph``'s
+    outputs, named ``buffer_update.<param>`` (:func:`kiln.runtime.buffer_updates` reads the
+    names back, also from a graph parsed from text); with ``prefix=INPUT_UPDATE_PREFIX``,
+    the same for updated graph inputs.  An update that returns the value itself changes
+    nothing and is dropped."""
+    outputs = list(graph.outputs)
+    for value, param in updates:
+        if value.kind in ("param", "input") and value.name == param:
+            continue
+        name = prefix + param
+        if value.kind != "result" or value in outputs or value.name.startswith((BUFFER_UPDATE_PREFIX,
+                                                                                 INPUT_UPDATE_PREFIX)):
+            value = graph.op("reshape", value, shape=tuple(value.shape))  # a value of its own
+        graph._names.discard(value.name)
+        value.name = graph._claim(name)
+        outputs.append(value)
+    graph.set_outputs(outputs)
+
+
+def _bind_seed(graph: Graph, params: dict[str, torch.Tensor]) -> None:
+    """Give the random ops' seed param (added by the dropout rules) a tensor of its own;
+    the runtime refills it before every call."""
+    for value in graph.params:
+        if value.name == RNG_SEED_PARAM and value.name not in params:
+            params[value.name] = torch.zeros((), dtype=torch.int64)
 
 
 def _ensure_meta(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> None:
@@ -441,6 +630,7 @@ def capture_fx(gm: torch.fx.GraphModule, example_inputs: list, *,
         elif node.op == "output":
             flat = pytree.tree_leaves(node.args[0], is_leaf=lambda x: x is None)
             graph.set_outputs([lowerer.output(node, a, f"output {i}") for i, a in enumerate(flat)])
+            _bind_seed(graph, params)
         else:
             raise UnsupportedOpError(node.op, str(node.target), source_location(node),
                                      f"FX node kind '{node.op}' is not supported",

@@ -5,6 +5,7 @@
     kiln bench --quick                  # the benchmark harness (python -m benchmarks)
     kiln bench --models gpt2 --systems eager,kiln --threads 1
     kiln tune-passes --out runs/rl      # train and evaluate a pass-ordering agent
+    kiln zoo --models llama,swin        # the model-zoo sweep against eager (python -m kiln.zoo)
 
 A subcommand is a :class:`Command`: a name, a one-line help, ``configure(parser)`` to declare
 its options and ``run(args, rest)`` returning the exit status.  ``forward`` commands take
@@ -67,11 +68,20 @@ def _run_tune_passes(args: argparse.Namespace, rest: list[str]) -> int:
     return int(tune_main(rest, prog="kiln tune-passes"))
 
 
+def _run_zoo(args: argparse.Namespace, rest: list[str]) -> int:
+    from kiln.zoo.__main__ import main as zoo_main
+
+    return int(zoo_main(rest, prog="kiln zoo"))
+
+
 COMMANDS: list[Command] = [
     Command("bench", "benchmark kiln against PyTorch eager, Inductor, ONNX Runtime and TVM "
                      "(options: kiln bench --help)", _run_bench, forward=True),
     Command("tune-passes", "train a pass-ordering agent, evaluate it against the baselines, write a "
                            "report (options: kiln tune-passes --help)", _run_tune_passes, forward=True),
+    Command("zoo", "run the model zoo (transformers families, hand-written nets) through kiln against "
+                   "eager: inference, gradients, compile_train, fallback ops (options: kiln zoo --help)",
+            _run_zoo, forward=True),
 ]
 
 

@@ -44,6 +44,8 @@ from kiln.compiler import capture as capture_mod
 from kiln.compiler.autograd import DifferentiableGraph
 from kiln.compiler.errors import CaptureError, UnsupportedOpError
 from kiln.ir import Graph, KilnError
+from kiln.passes.custom import inline_custom_vjp
+from kiln.runtime.module import RNG_SEED_PARAM, draw_seed
 
 GraphTransform = Callable[[Graph], Graph]
 
@@ -155,7 +157,14 @@ def compile_fx(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor], *,
     """Compile ``gm`` with kiln where supported, PyTorch elsewhere (see module docstring)."""
     backend = get_backend(backend)
     gm = _copy(gm)
+    writes, user_spec = _lift_input_writes(gm)
+    if writes:
+        inner = compile_fx(gm, example_inputs, param_indices=param_indices, backend=backend,
+                           options=options, strict=strict, transform=transform, name=name)
+        return CompiledFx(_InputWrites(inner, writes, user_spec), inner.graphs, inner.report,
+                          inner.module)
     unsupported = unsupported_nodes(gm)
+    _refuse_unsupported_writes(unsupported)
     if strict:
         # Capture is strict: it raises the first unsupported node's UnsupportedOpError.
         return _compile_whole(gm, example_inputs, param_indices, backend, options, transform, name)
@@ -170,6 +179,63 @@ def compile_fx(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor], *,
             report.notes.append(str(e).splitlines()[0])
     return _compile_partitioned(gm, example_inputs, param_indices, backend, options, transform, name,
                                 report)
+
+
+def _refuse_unsupported_writes(unsupported: Sequence[fx.Node]) -> None:
+    """An in-place write kiln cannot lower cannot run in PyTorch either: the partitions around
+    it hold copies, so the write would be lost.  Refuse it, also without ``strict``."""
+    for node in unsupported:
+        if capture_mod.is_mutating(node):
+            raise UnsupportedOpError(
+                op_name(node), capture_mod.describe_inputs(node), source_of(node),
+                capture_mod.unsupported_reason(node) or "the op writes in place",
+                hint="kiln compiles functional graphs (torch.compile functionalizes them for "
+                "kiln); rewrite the in-place update functionally (torch.where, torch.cat, "
+                "index_put, slice_scatter) or pass a functionalized graph.")
+
+
+_COPY_ = torch.ops.aten.copy_.default
+
+
+def _lift_input_writes(gm: fx.GraphModule) -> tuple[list[int], pytree.TreeSpec | None]:
+    """Turn the final ``copy_(placeholder, value)`` nodes of a functionalized graph (buffer
+    updates: batch norm's running statistics) into extra trailing outputs; returns the
+    placeholder index each extra output is written into and the spec of the original
+    outputs.  ``gm`` is edited (a copy)."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    index = {node: i for i, node in enumerate(placeholders)}
+    copies = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is _COPY_
+              and n.args[0] in index and not n.users]
+    if not copies:
+        return [], None
+    output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    leaves, spec = pytree.tree_flatten(output.args[0])
+    written = [index[n.args[0]] for n in copies]
+    values = [n.args[1] for n in copies]
+    for node in copies:
+        gm.graph.erase_node(node)
+    gm.graph.erase_node(output)
+    gm.graph.output(tuple(leaves) + tuple(values))
+    gm.recompile()
+    return written, spec
+
+
+class _InputWrites:
+    """Runs a compiled graph whose trailing outputs are new values of some inputs (buffers),
+    copies them into those inputs in place (outside autograd) and returns the rest."""
+
+    def __init__(self, inner: CompiledFx, writes: Sequence[int], spec: pytree.TreeSpec):
+        self.inner = inner
+        self.writes = list(writes)
+        self.spec = spec
+
+    def __call__(self, *args: Any) -> Any:
+        flat = list(self.inner(*args))
+        values = flat[len(flat) - len(self.writes):]
+        with torch.no_grad():
+            for i, value in zip(self.writes, values):
+                args[i].copy_(value)
+        return pytree.tree_unflatten(flat[: len(flat) - len(self.writes)], self.spec)
 
 
 def _copy(gm: fx.GraphModule) -> fx.GraphModule:
@@ -187,20 +253,28 @@ def _build(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor], param_ind
            name: str) -> tuple[Graph, Callable[[Sequence[torch.Tensor]], list[torch.Tensor]]]:
     """Capture ``gm`` and build it; returns the graph and a runner over placeholder order."""
     captured = capture_mod.capture_fx(gm, list(example_inputs), param_indices=param_indices, name=name)
-    graph = transform(captured.graph) if transform is not None else captured.graph
+    # torch.autograd.Function nodes: the inference graph needs only their forward
+    graph = inline_custom_vjp(captured.graph)
+    graph = transform(graph) if transform is not None else graph
     # Differentiable: in grad mode with inputs requiring grad it runs kiln's forward/backward.
     executable = DifferentiableGraph(captured.graph, backend.build(graph, dict(options or {})),
                                      backend, dict(options or {}), transform)
     n = len(example_inputs)
     order = [i for i in range(n) if i not in param_indices] + sorted(i for i in param_indices if i < n)
-    if len(order) != len(graph.inputs) + len(graph.params):
+    # params the lowering added (the random ops' seed) follow the placeholders' params
+    extra = [captured.params[v.name] for v in captured.graph.params[len(order) - len(graph.inputs):]]
+    seeds = [t for v, t in zip(captured.graph.params[len(order) - len(graph.inputs):], extra)
+             if v.name == RNG_SEED_PARAM]
+    if len(order) + len(extra) != len(graph.inputs) + len(graph.params):
         raise KilnError(
             f"kiln internal error: graph @{graph.name} has {len(graph.inputs)} inputs and "
             f"{len(graph.params)} params but the FX graph has {n} placeholders"
         )
 
     def run(args: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        return executable([args[i] for i in order])
+        for seed in seeds:
+            seed.fill_(draw_seed())
+        return executable([*(args[i] for i in order), *extra])
 
     return graph, run
 

@@ -41,6 +41,13 @@ Guarantees of the returned :class:`TrainStep`:
   losses and updates as the default ``remat=False``.  ``step.stats`` reports
   ``recomputed_nodes`` and, when the backend plans memory (``cpu``), ``planned_peak_bytes``
   (the arena) and ``planned_total_bytes`` (all intermediates).
+* Train-mode batch norm: the captured step returns the loss, then the new buffer values
+  (``buffer_update.<buffer>``), which are not differentiated and are ``copy_``d into the
+  live buffers after every step (running mean/var, ``num_batches_tracked``), as eager.
+  Dropout: the seed param ``rng.seed`` is refilled from torch's generator before every step
+  (:class:`kiln.runtime.module.StateBinding`), so each step draws new masks, reproducible
+  under ``torch.manual_seed``; the backward (and ``remat``'s recomputation) uses the
+  forward's mask.
 * Inputs are checked against the example inputs (shapes, dtypes) before anything runs.
 """
 
@@ -66,6 +73,7 @@ from kiln.passes.autodiff import grad_graph
 from kiln.passes.optim import GroupSpec, UpdateLayout, append_optimizer
 from kiln.passes.remat import rematerialize
 from kiln.runtime import InputMismatchError, tensor_type
+from kiln.runtime.module import BUFFER_UPDATE_PREFIX, StateBinding, buffer_updates
 
 from . import capture as capture_mod
 from .api import as_args, resolve_passes
@@ -176,6 +184,12 @@ class TrainStep:
         self._example = example_args
         self._name_of = {id(t): name for name, t in live.items()}
         self._trainable = _params_reaching_loss(forward)
+        state = StateBinding(forward, [live[v.name] for v in forward.params])
+        if len(state.updates) != len(buffer_updates(forward)):
+            raise KilnError(f"kiln internal error: buffer updates {buffer_updates(forward)} of the "
+                            f"training graph @{forward.name} do not all name a param")
+        self.state: StateBinding | None = state if state else None
+        """The buffers the step updates (train-mode batch norm) and the dropout seed it reads."""
         self._key: tuple | None = None
         self.graph: Graph | None = None
         self.layout: UpdateLayout | None = None
@@ -199,9 +213,15 @@ class TrainStep:
         self._update_structure()
         feeds = [self._feed(entry, tensors) for entry in self._plan]
         params = [self.live[v.name] for v in self.graph.params]
+        if self.state is not None:
+            self.state.before()  # a new dropout seed per step, from torch's generator
         with torch.no_grad():
             outputs = self._executable([*feeds, *params])
         self._calls += 1
+        if self.state is not None:
+            # the forward ran, so the running statistics move even on a skipped step (as
+            # eager's forward updates them before GradScaler skips optimizer.step())
+            self.state.write_updates(outputs, self.layout.kept)
         found_inf = bool(outputs[self._skip_output]) if self._skip_output is not None else False
         if self.scaler is not None:
             self.scaler.update(found_inf)
@@ -313,7 +333,7 @@ class TrainStep:
             return tensors[detail]
         if kind == "hyper":
             group, name = detail
-            return torch.tensor(_hyper(self.optimizer.param_groups[group], name), dtype=torch.float32)
+            return torch.tensor(_hyper(self.optimizer.param_groups[group], name), dtype=torch.float64)
         if kind == "state":
             param, key = detail
             value = self.optimizer.state[self.live[param]].get(key)
@@ -440,9 +460,11 @@ def _count_targets(loss_fn: Callable[..., Any]) -> int:
 
 
 def _check_loss(graph: Graph) -> None:
-    if len(graph.outputs) != 1 or graph.outputs[0].type.rank != 0 \
-            or not graph.outputs[0].dtype.is_floating:
-        got = ", ".join(str(v.type) for v in graph.outputs) or "nothing"
+    """The captured step returns the loss, then only buffer updates (train-mode batch norm's
+    running statistics: :func:`kiln.runtime.module.buffer_updates`)."""
+    user = graph.outputs[: len(graph.outputs) - len(buffer_updates(graph))]
+    if len(user) != 1 or user[0].type.rank != 0 or not user[0].dtype.is_floating:
+        got = ", ".join(str(v.type) for v in user) or "nothing"
         raise KilnError(f"kiln.compile_train: loss_fn must return one floating-point scalar "
                         f"tensor, but the captured step returns {got}; reduce the loss with "
                         ".mean() or .sum()")
@@ -459,6 +481,9 @@ def _readable_names(graph: Graph, params: dict[str, torch.Tensor], positions: Se
     for v in graph.params:
         if v.name.startswith("model."):
             renames[v.name] = v.name[len("model."):]
+    for _, param in buffer_updates(graph):  # buffer_update.model.bn.running_mean -> ...bn.running_mean
+        if param in renames:
+            renames[BUFFER_UPDATE_PREFIX + param] = BUFFER_UPDATE_PREFIX + renames[param]
     if set(renames.values()) & (taken - set(renames)):
         return graph, dict(params)  # a clash: keep the captured names
     out = Graph(graph.name)
@@ -471,7 +496,7 @@ def _readable_names(graph: Graph, params: dict[str, torch.Tensor], positions: Se
         env[c] = out.add_constant(c.data, c.dtype, c.name, dedup=False)
     for node in graph.nodes:
         copy = out.add_node(node.op, [env[v] for v in node.inputs], node.attrs,
-                            names=[v.name for v in node.outputs], loc=node.loc)
+                            names=[renames.get(v.name, v.name) for v in node.outputs], loc=node.loc)
         env.update(zip(node.outputs, copy.outputs))
     out.set_outputs([env[v] for v in graph.outputs])
     return out, {renames.get(name, name): tensor for name, tensor in params.items()}

@@ -1,7 +1,8 @@
 """Graph passes: infrastructure, rewriting and optimizations.
 
 Importing this package registers the built-in passes (``dce``, ``cse``, ``fold``,
-``simplify``, ``canonicalize``, ``sink-views``, ``composites``, ``fuse``, ``amp``, ``remat``).
+``simplify``, ``canonicalize``, ``sink-views``, ``composites``, ``fuse``, ``amp``, ``remat``,
+``inline-custom-vjp``).
 See ``docs/passes.md`` (``amp``, ``remat``: ``docs/training.md``).
 """
 
@@ -33,6 +34,7 @@ from kiln.passes.pattern import (
 # Built-in passes register themselves on import.
 from kiln.passes import canonicalize, composites, cse, dce, fold, fusion, layout, simplify  # noqa: E402,F401  isort: skip
 from kiln.passes import amp, remat  # noqa: E402,F401  (register "amp", "remat")
+from kiln.passes import custom  # noqa: E402,F401  (registers "inline-custom-vjp")
 from kiln.passes.pipeline import DEFAULT_PIPELINE, default_pipeline  # noqa: E402
 
 

@@ -24,8 +24,9 @@ Public API (stable)::
 * Every gradient has exactly the type of its ``wrt`` value.  Gradient rules live beside the
   op declarations (``kiln/ir/ops/*.py``, see :mod:`kiln.ir.ops.vjp`); reaching an op that has
   none raises :class:`KilnError` naming the op and the node's source location.
-* ``fused`` nodes are inlined first (their bodies are differentiated); nodes no output
-  needs are dropped.  The input graph is never modified.
+* ``fused`` nodes are inlined first (their bodies are differentiated); ``custom_vjp`` nodes
+  (``torch.autograd.Function``) are not: their rule is the Function's own backward graph.
+  Nodes no output needs are dropped.  The input graph is never modified.
 * Only static shapes are differentiated; a value of symbolic shape on a differentiated path
   (e.g. the result of indexing with a bool mask) raises :class:`KilnError`.
 

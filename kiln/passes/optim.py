@@ -8,7 +8,7 @@ state are extra outputs.  The update is made of ordinary ops (``mul``, ``add``, 
 
 Guarantees:
 
-* Hyperparameters are graph *inputs* (``f32[]`` scalars named ``opt.<group>.<name>``), so a
+* Hyperparameters are graph *inputs* (``f64[]`` scalars named ``opt.<group>.<name>``), so a
   learning-rate scheduler that edits ``group["lr"]`` is honoured without rebuilding the
   graph.  Only structure is fixed at build time: which params are updated, SGD's use of a
   momentum buffer (``momentum != 0``), ``nesterov``, ``maximize``, Adam's
@@ -18,8 +18,14 @@ Guarantees:
   ``max_exp_avg_sq`` (Adam).  SGD's first step (no buffer yet: PyTorch copies the gradient
   into the buffer) is selected by a ``bool[]`` input per param, so it needs no second graph.
 * The arithmetic follows ``torch.optim``'s single-tensor code paths operation by operation
-  (e.g. ``lerp``'s two forms, ``addcdiv`` as ``p + value * (a / b)``), computed in float32;
-  results are cast back to each param's and state's dtype.
+  (e.g. ``lerp``'s two forms, ``addcdiv`` as ``p + value * (a / b)``).  As there, the scalar
+  arithmetic on hyperparameters (``1 - beta2``, ``1 - lr * weight_decay``, the bias
+  corrections ``1 - beta ** step``, ``lr / bias_correction1``, ``sqrt(bias_correction2)``)
+  is done in float64 -- PyTorch does it in Python floats -- and each scalar is rounded to
+  float32 where it meets a tensor; the tensor arithmetic is float32.  (In float32,
+  ``1 - 0.999`` is off by 1.3e-5 relative: every Adam update would be scaled by the same
+  wrong factor, a bias along the gradient that ill-conditioned losses amplify.)  Results are
+  cast back to each param's and state's dtype.
 * With ``skip_if`` (the output index of a ``bool[]``), every new param and state value is
   ``where(skip, old, new)``: a skipped step leaves everything unchanged (AMP loss scaling).
 * The input graph is not modified.
@@ -35,6 +41,7 @@ from kiln.ir import DType, Graph, KilnError, TensorType, Value
 SGD_HYPERS = ("lr", "momentum", "dampening", "weight_decay")
 ADAM_HYPERS = ("lr", "beta1", "beta2", "eps", "weight_decay")
 _SCALAR = TensorType((), DType.float32)
+_HYPER = TensorType((), DType.float64)
 
 
 @dataclass(frozen=True)
@@ -131,7 +138,7 @@ def append_optimizer(graph: Graph, groups: Sequence[GroupSpec], grads: Mapping[s
     for index, group in enumerate(groups):
         hypers = {}
         for name in group.hypers:
-            v = builder.input(f"opt.{index}.{name}", _SCALAR)
+            v = builder.input(f"opt.{index}.{name}", _HYPER)
             hypers[name] = v
             hyper_slots.append((index, name, v))
         for pname in group.params:
@@ -203,7 +210,9 @@ def _check_groups(graph: Graph, groups: Sequence[GroupSpec], grads: Mapping[str,
 
 
 class _UpdateBuilder:
-    """Adds the update ops for one param at a time; arithmetic in float32."""
+    """Adds the update ops for one param at a time: tensor arithmetic in float32, scalar
+    arithmetic on the (float64) hyperparameters in float64, rounded to float32 by
+    :meth:`scalar` where a scalar meets a tensor."""
 
     def __init__(self, graph: Graph):
         self.g = graph
@@ -223,6 +232,15 @@ class _UpdateBuilder:
 
     def const(self, x: float) -> Value:
         return self.g.add_constant(x, DType.float32)
+
+    def scalar(self, v: Value) -> Value:
+        """A float64 scalar as the float32 operand of tensor arithmetic (PyTorch converts a
+        Python-float operand of a float32 kernel to float32)."""
+        return self.f32(v)
+
+    def one_minus64(self, v: Value) -> Value:
+        """``1 - v`` in float64 (``v`` a float64 scalar)."""
+        return self.op("sub", self.g.add_constant(1.0, DType.float64), v)
 
     def f32(self, v: Value) -> Value:
         return v if v.dtype == DType.float32 else self.op("cast", v, dtype=DType.float32)
@@ -246,15 +264,17 @@ class _UpdateBuilder:
         p, g = self.f32(param), self.f32(grad)
         if group.maximize:
             g = self.op("neg", g)
-        g = self.axpy(h["weight_decay"], p, g)
+        g = self.axpy(self.scalar(h["weight_decay"]), p, g)
         new_state: dict[str, Value] = {}
         if group.momentum:
             buf = self.f32(state["momentum_buffer"])
-            decayed = self.axpy(self.one_minus(h["dampening"]), g, self.op("mul", buf, h["momentum"]))
+            momentum = self.scalar(h["momentum"])
+            decayed = self.axpy(self.scalar(self.one_minus64(h["dampening"])), g,
+                                self.op("mul", buf, momentum))
             buf = self.op("where", has_buffer, decayed, g)  # first step: the buffer is the gradient
             new_state["momentum_buffer"] = self.like(buf, state["momentum_buffer"])
-            g = self.axpy(h["momentum"], buf, g) if group.nesterov else buf
-        p = self.axpy(self.op("neg", h["lr"]), g, p)
+            g = self.axpy(momentum, buf, g) if group.nesterov else buf
+        p = self.axpy(self.scalar(self.op("neg", h["lr"])), g, p)
         return self.like(p, param), new_state
 
     # ----------------------------------------------------------------- adam
@@ -264,17 +284,18 @@ class _UpdateBuilder:
         if group.maximize:
             g = self.op("neg", g)
         step = self.op("add", self.f32(state["step"]), self.const(1.0))
+        step64 = self.op("cast", step, dtype=DType.float64)  # PyTorch's step.item()
         lr, wd = h["lr"], h["weight_decay"]
         if group.decoupled_weight_decay:
-            p = self.op("mul", p, self.one_minus(self.op("mul", lr, wd)))
+            p = self.op("mul", p, self.scalar(self.one_minus64(self.op("mul", lr, wd))))
         else:
-            g = self.axpy(wd, p, g)
-        exp_avg = self._lerp(self.f32(state["exp_avg"]), g, self.one_minus(h["beta1"]))
+            g = self.axpy(self.scalar(wd), p, g)
+        exp_avg = self._lerp(self.f32(state["exp_avg"]), g, self.scalar(self.one_minus64(h["beta1"])))
         beta2 = h["beta2"]
-        exp_avg_sq = self.op("add", self.op("mul", self.f32(state["exp_avg_sq"]), beta2),
-                             self.op("mul", self.op("mul", g, self.one_minus(beta2)), g))
-        bias1 = self.one_minus(self.op("pow", h["beta1"], step))
-        bias2 = self.one_minus(self.op("pow", beta2, step))
+        exp_avg_sq = self.op("add", self.op("mul", self.f32(state["exp_avg_sq"]), self.scalar(beta2)),
+                             self.op("mul", self.op("mul", g, self.scalar(self.one_minus64(beta2))), g))
+        bias1 = self.one_minus64(self.op("pow", h["beta1"], step64))
+        bias2 = self.one_minus64(self.op("pow", beta2, step64))
         step_size = self.op("div", lr, bias1)
         second = exp_avg_sq
         new_state = {"step": self.like(step, state["step"]),
@@ -283,8 +304,9 @@ class _UpdateBuilder:
         if group.amsgrad:
             second = self.op("maximum", self.f32(state["max_exp_avg_sq"]), exp_avg_sq)
             new_state["max_exp_avg_sq"] = self.like(second, state["max_exp_avg_sq"])
-        denom = self.op("add", self.op("div", self.op("sqrt", second), self.op("sqrt", bias2)), h["eps"])
-        p = self.axpy(self.op("neg", step_size), self.op("div", exp_avg, denom), p)
+        denom = self.op("add", self.op("div", self.op("sqrt", second), self.scalar(self.op("sqrt", bias2))),
+                        self.scalar(h["eps"]))
+        p = self.axpy(self.scalar(self.op("neg", step_size)), self.op("div", exp_avg, denom), p)
         return self.like(p, param), new_state
 
     def _lerp(self, start: Value, end: Value, weight: Value) -> Value:

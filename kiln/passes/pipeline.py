@@ -10,6 +10,7 @@ from __future__ import annotations
 from kiln.passes.manager import PassManager
 
 DEFAULT_PIPELINE = ",".join([
+    "inline-custom-vjp",  # torch.autograd.Function nodes: their forward, once autodiff ran
     "canonicalize",
     "simplify",
     "fold",

@@ -23,6 +23,12 @@ the backward depends on:
 of recomputed nodes second.  Graph inputs, params and constants are always available to the
 backward at no cost.  Recomputable: elementwise, view, pointwise and creation ops and the
 copy-only layout ops (cat, pad, flip, tril, triu, repeat, cast); ``fused`` nodes are not.
+Random ops (``dropout_mask``) are recomputable only inside one joint graph
+(``random=True``, as :func:`rematerialize` chooses): their result is a pure function of the
+seed operand and the attributes, and within one call of the graph the seed does not change,
+so a clone draws the forward's mask bit for bit.  Across a forward/backward pair the seed
+param is refilled before every forward call, so a backward graph recomputing a mask could
+draw another call's mask: ``split_joint`` saves masks.
 """
 
 from __future__ import annotations
@@ -38,19 +44,22 @@ COPY_OPS = frozenset({"cat", "pad", "flip", "tril", "triu", "repeat", "cast"})
 RECOMPUTABLE_TRAITS = frozenset({"elementwise", "view", "pointwise", "creation"})
 
 
-def is_recomputable(node: Node) -> bool:
-    """Cheap and pure: the backward may recompute this node instead of saving its results."""
+def is_recomputable(node: Node, *, random: bool = False) -> bool:
+    """Cheap and pure: the backward may recompute this node instead of saving its results.
+    Random ops only with ``random=True`` (inside one joint graph, see the module docstring)."""
     if node.op.has("random"):
-        return False
+        return random and node.kind == "dropout_mask"
     return node.kind in COPY_OPS or bool(node.op.traits & RECOMPUTABLE_TRAITS)
 
 
 def choose_recomputation(forward: Sequence[Node], backward: Sequence[Node],
-                         grads: Sequence[Value]) -> set[Node]:
+                         grads: Sequence[Value], *, random: bool = False) -> set[Node]:
     """Forward nodes to recompute in the backward so the saved bytes are minimal.
 
     ``grads`` are values read after the backward (its outputs).  Values produced outside
     ``forward`` count as always available: they are never recomputed and cost nothing.
+    ``random``: random ops may be recomputed (only where backward and forward run in one
+    call of one graph).
     """
     import networkx as nx  # imported on first use: most programs never rematerialize
 
@@ -66,7 +75,7 @@ def choose_recomputation(forward: Sequence[Node], backward: Sequence[Node],
         node_in, node_out = ("in", node), ("out", node)
         nbytes = sum(v.type.nbytes for v in node.outputs)
         flow.add_edge(node_in, node_out, capacity=big * nbytes)
-        if is_recomputable(node):
+        if is_recomputable(node, random=random):
             flow.add_edge("source", node_in, capacity=1)
         else:
             flow.add_edge("source", node_in)  # no capacity attribute: infinite
@@ -112,7 +121,8 @@ def rematerialize(graph: Graph, *, loss: int = 0) -> tuple[Graph, int]:
 
     The forward part is every node the output ``loss`` depends on; every other node is
     backward (gradients, optimizer update).  :func:`choose_recomputation` picks forward nodes
-    to recompute; each gets one clone (results named ``remat.<name>``), placed right before
+    to recompute (dropout masks included: the clone reads the same seed in the same call, so
+    it draws the forward's mask); each gets one clone (results named ``remat.<name>``), placed right before
     its first backward use with the clones it reads before it, and every backward use reads
     the clone.  Forward nodes producing a graph output are never cloned: their results stay
     alive to the end anyway.
@@ -132,7 +142,7 @@ def rematerialize(graph: Graph, *, loss: int = 0) -> tuple[Graph, int]:
     outputs = set(g.outputs)
     forward = [n for n in g.nodes if n in forward_set and not outputs.intersection(n.outputs)]
     backward = [n for n in g.nodes if n not in forward_set]
-    recompute = choose_recomputation(forward, backward, ())
+    recompute = choose_recomputation(forward, backward, (), random=True)
     if not recompute:
         return graph, 0
     clones: dict[Value, Value] = {}

@@ -15,6 +15,13 @@ Guarantees of :class:`CompiledModule`:
   an input or parameter requires grad, the module runs kiln's forward graph inside a
   ``torch.autograd.Function`` whose backward is kiln's generated backward graph
   (:mod:`kiln.compiler.autograd`); otherwise it runs the inference graph.
+* Buffers a train-mode model updates (batch norm's ``running_mean``/``running_var``/
+  ``num_batches_tracked``) are written in place into the live buffers after every call, as
+  eager does: the captured graph returns their new values as trailing outputs named
+  ``buffer_update.<param>`` (:func:`buffer_updates`), which are not returned to the caller.
+* Random ops read the ``int64[]`` param ``rng.seed``; the module refills it from torch's
+  default generator before every call (:func:`draw_seed`), so each call draws new dropout
+  masks and ``torch.manual_seed`` makes a run reproducible.
 """
 
 from __future__ import annotations
@@ -32,6 +39,85 @@ from kiln.ir import Graph, KilnError, TensorType
 from .tensors import describe, kiln_dtype
 
 _HOW_TO_GO_ON = "recompile with new example_inputs or pass a matching tensor"
+
+BUFFER_UPDATE_PREFIX = "buffer_update."
+"""Name prefix of a graph output holding the new value of the buffer param it names."""
+
+INPUT_UPDATE_PREFIX = "input_update."
+"""Name prefix of a graph output holding the new value of the graph input it names (a
+program that writes one of its inputs in place, such as ``x.uniform_()``)."""
+
+RNG_SEED_PARAM = "rng.seed"
+"""The seed param of random ops (the same name as :data:`kiln.ir.ops.random.RNG_SEED_PARAM`)."""
+
+_SEED_RANGE = 2**31 - 1
+
+
+def buffer_updates(graph: Graph) -> list[tuple[int, str]]:
+    """``(output index, param name)`` of each output of ``graph`` that updates a buffer."""
+    return [(i, v.name[len(BUFFER_UPDATE_PREFIX):]) for i, v in enumerate(graph.outputs)
+            if v.name.startswith(BUFFER_UPDATE_PREFIX)]
+
+
+def input_updates(graph: Graph) -> list[tuple[int, str]]:
+    """``(output index, input name)`` of each output of ``graph`` that updates an input."""
+    return [(i, v.name[len(INPUT_UPDATE_PREFIX):]) for i, v in enumerate(graph.outputs)
+            if v.name.startswith(INPUT_UPDATE_PREFIX)]
+
+
+def draw_seed() -> int:
+    """A seed for the random ops of one call, drawn from torch's default generator."""
+    return int(torch.randint(0, _SEED_RANGE, (1,), dtype=torch.int64).item())
+
+
+class StateBinding:
+    """The buffers a graph updates and the seeds it reads, bound to live tensors.
+
+    ``params`` are the tensors of ``graph.params`` in order.  :meth:`before` refills the
+    seeds; :meth:`after` copies the trailing buffer-update outputs into their buffers (in
+    place, outside autograd) and returns the other outputs.
+    """
+
+    def __init__(self, graph: Graph, params: Sequence[torch.Tensor]):
+        position = {v.name: i for i, v in enumerate(graph.params)}
+        self.updates = [(index, params[position[name]]) for index, name in buffer_updates(graph)
+                        if name in position]
+        self.seeds = [params[i] for i, v in enumerate(graph.params) if v.name == RNG_SEED_PARAM]
+        inputs = {v.name: i for i, v in enumerate(graph.inputs)}
+        self.input_updates = [(index, inputs[name]) for index, name in input_updates(graph) if name in inputs]
+        self.num_outputs = len(graph.outputs) - len(self.updates) - len(self.input_updates)
+        if any(index < self.num_outputs for index, _ in (*self.updates, *self.input_updates)):
+            raise KilnError(f"kiln internal error: graph @{graph.name} has buffer or input updates "
+                            "before its last user output")
+
+    def __bool__(self) -> bool:
+        return bool(self.updates or self.seeds or self.input_updates)
+
+    def before(self) -> None:
+        for seed in self.seeds:
+            seed.fill_(draw_seed())
+
+    def after(self, outputs: Sequence[torch.Tensor],
+              inputs: Sequence[torch.Tensor] = ()) -> list[torch.Tensor]:
+        """Write the buffer updates, and the input updates into ``inputs`` (the call's graph
+        inputs), in place; return the user outputs."""
+        if not (self.updates or self.input_updates):
+            return list(outputs)
+        self.write_updates(outputs)
+        with torch.no_grad():
+            for index, position in self.input_updates:
+                inputs[position].copy_(outputs[index])
+        return list(outputs[: self.num_outputs])
+
+    def write_updates(self, outputs: Sequence[torch.Tensor],
+                      index_map: dict[int, int] | None = None) -> None:
+        """Copy the buffer updates among ``outputs`` into their buffers (in place, outside
+        autograd).  ``index_map`` maps an output index of the bound graph to its index in
+        ``outputs``, for the outputs of a graph built from it (a training step keeps the
+        forward's outputs, at other places)."""
+        with torch.no_grad():
+            for index, buffer in self.updates:
+                buffer.copy_(outputs[index if index_map is None else index_map[index]])
 
 
 class InputMismatchError(KilnError, TypeError):
@@ -83,17 +169,33 @@ class CompiledModule:
         self._last_s = 0.0
         self._kwarg_names = _kwarg_names(in_spec)
         self._leaf_args = _leaf_arg_count(in_spec)
+        self.state: StateBinding | None = None
+        if len(self.graphs) == 1:
+            self.bind_state(self.graphs[0])
+
+    def bind_state(self, graph: Graph) -> None:
+        """Read buffer updates and seeds from ``graph`` (the module's graph, or the captured
+        graph it was optimized from: same params and outputs)."""
+        state = StateBinding(graph, self.params)
+        self.state = state if state else None
 
     # ------------------------------------------------------------------ calling
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         flat = self._flatten(args, kwargs)
         tensors = self._check(flat)
         start = time.perf_counter()
+        if self.state is not None:
+            self.state.before()
         with torch.no_grad():
             outputs = self.executable([*tensors, *self.params])
+        if self.state is not None:
+            outputs = self.state.after(outputs, tensors)
         self._last_s = time.perf_counter() - start
         self._total_s += self._last_s
         self._calls += 1
+        return self._structured(outputs)
+
+    def _structured(self, outputs: Sequence[torch.Tensor]) -> Any:
         if self.out_spec is None:
             return outputs[0] if len(outputs) == 1 else tuple(outputs)
         return pytree.tree_unflatten(list(outputs), self.out_spec)

@@ -12,6 +12,7 @@ name                             call                                           
 ``conv``                         oneDNN with a prepacked weight (2-d float32, see     no
                                  :class:`PackedConv2d`), else
                                  ``torch.nn.functional.conv{1,2,3}d``
+``conv_transpose``               ``torch.nn.functional.conv_transpose{1,2,3}d``       no
 ``scaled_dot_product_attention`` ``torch.nn.functional.scaled_dot_product_attention``  no
 ``embedding``                    ``torch.index_select(w, 0, idx, out=o)``              yes
 ``index_put``                    ``aten.index_put`` (integer indices; the gradient     no
@@ -32,7 +33,7 @@ fallback for nodes nothing else can run.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -65,14 +66,17 @@ def _matmul(node: Node) -> LibraryCall:
 _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 
 
-def _conv(node: Node) -> LibraryCall:
+def _conv(node: Node, persistent_weight: bool = False) -> LibraryCall:
     a = node.attrs
     spatial = len(a["stride"])
     conv = _CONV.get(spatial)
     if conv is None:
         raise KeyError(f"no library convolution for {spatial} spatial dims")
     stride, padding, dilation, groups = tuple(a["stride"]), tuple(a["padding"]), tuple(a["dilation"]), a["groups"]
-    if spatial == 2 and node.inputs[0].dtype.name == "float32" and _PACKED_CONV:
+    # Only a parameter may be packed once and reused: any other weight operand (an activation
+    # or a gradient, as in the weight gradient of a convolution) is a new tensor at each call,
+    # possibly at the address and version counter of the last one.
+    if spatial == 2 and node.inputs[0].dtype.name == "float32" and _PACKED_CONV and persistent_weight:
         return LibraryCall(PackedConv2d(tuple(node.inputs[0].shape), stride, padding, dilation, groups), False,
                            "oneDNN convolution, prepacked weight", channels_last=True)
 
@@ -119,6 +123,23 @@ class PackedConv2d:
                                                        "none", [], "")
 
 
+_CONV_TRANSPOSE = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
+
+
+def _conv_transpose(node: Node) -> LibraryCall:
+    a = node.attrs
+    spatial = len(a["stride"])
+    conv = _CONV_TRANSPOSE.get(spatial)
+    if conv is None:
+        raise KeyError(f"no library transposed convolution for {spatial} spatial dims")
+    stride, padding, dilation, groups = tuple(a["stride"]), tuple(a["padding"]), tuple(a["dilation"]), a["groups"]
+    extra = tuple(a["output_padding"]) or (0,) * spatial
+
+    def convolution(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+        return conv(x, w, b, stride, padding, extra, groups, dilation)
+    return LibraryCall(convolution, False, f"torch.nn.functional.conv_transpose{spatial}d")
+
+
 def _sdpa(node: Node) -> LibraryCall:
     is_causal, scale = node.attrs["is_causal"], node.attrs["scale"]
 
@@ -161,6 +182,7 @@ def _scatter_add(node: Node) -> LibraryCall:
 LIBRARY: dict[str, Callable[[Node], LibraryCall]] = {
     "matmul": _matmul,
     "conv": _conv,
+    "conv_transpose": _conv_transpose,
     "scaled_dot_product_attention": _sdpa,
     "embedding": _embedding,
     "index_put": _index_put,
@@ -174,7 +196,7 @@ def library_name(node: Node) -> str | None:
     name = node.op.impls.get("library") if node.op.impls else None
     if name not in LIBRARY:
         return None
-    if node.kind == "conv" and len(node.attrs["stride"]) not in _CONV:
+    if node.kind in ("conv", "conv_transpose") and len(node.attrs["stride"]) not in _CONV:
         return None
     if node.kind == "embedding" and node.outputs[0].type.rank < 1:
         return None
@@ -185,11 +207,15 @@ def library_name(node: Node) -> str | None:
     return name
 
 
-def library_call(node: Node) -> LibraryCall:
-    """The library call of ``node`` (see :func:`library_name`)."""
+def library_call(node: Node, persistent: Sequence[bool] = ()) -> LibraryCall:
+    """The library call of ``node`` (see :func:`library_name`).  ``persistent[i]`` says that
+    operand ``i`` is the same tensor at every call (a parameter of the compiled graph), so a
+    call may keep a prepared copy of it between calls; other operands are new each call."""
     name = library_name(node)
     if name is None:
         raise KeyError(f"op '{node.kind}' has no library implementation in the cpu backend")
+    if name == "conv":
+        return _conv(node, persistent_weight=len(persistent) > 1 and bool(persistent[1]))
     return LIBRARY[name](node)
 
 

@@ -89,8 +89,10 @@ def _sdpa_vjp(b, inputs, outputs, cotangents, attrs):
     """Recompute the attention weights ``p``, then ``dv = p^T g``, ``dp = g v^T``,
     ``ds = p * (dp - sum(dp * p))``, ``dq = ds k * scale``, ``dk = ds^T q * scale`` and, for
     an additive float mask, ``dmask = ds``; everything summed over broadcast batch axes.
-    Masked-out scores are replaced by the dtype's lowest finite value (not -inf) and ``p``
-    is zeroed there afterwards, so rows with every key masked out get zero gradients."""
+    Masked-out scores (a false bool mask entry, the causal mask, or a score that a float
+    mask made -inf) are replaced by the dtype's lowest finite value (not -inf) and ``p`` is
+    zeroed there afterwards, so rows with every key masked out get zero gradients, as the
+    forward gives zero outputs there."""
     q, k, v = inputs[:3]
     mask = inputs[3] if len(inputs) == 4 else None
     g = cotangents[0]
@@ -104,6 +106,7 @@ def _sdpa_vjp(b, inputs, outputs, cotangents, attrs):
         keep = mask
     elif mask is not None:
         scores = b.add(scores, b.cast(mask, scores.dtype))
+        keep = b.op("logical_not", b.op("isinf", scores))  # -inf in the mask: masked out
     if keep is None:
         p = b.op("softmax", scores, dim=-1)
     else:

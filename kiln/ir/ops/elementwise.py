@@ -635,4 +635,16 @@ def _clamp_compute(ctx, x, *, min=None, max=None):
     return ctx.tensor(x.shape, x.dtype, element)
 
 
+# ------------------------------------------------------------------------ stop_gradient
+@defop("stop_gradient", infer=same_as_first, traits=("elementwise",), amp="follow", vjp=nondifferentiable)
+def stop_gradient(x):
+    """``x`` itself, through which no gradient flows (``Tensor.detach``)."""
+    return x.copy()
+
+
+@defcompute("stop_gradient")
+def _stop_gradient_compute(ctx, x):
+    return ctx.tensor(x.shape, x.dtype, lambda i: x.at(i, x.dtype))
+
+
 __all__ = ["float_result"]

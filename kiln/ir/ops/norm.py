@@ -1,7 +1,8 @@
-"""Normalization ops: batch norm, layer norm, RMS norm.
+"""Normalization ops: batch norm, group norm, layer norm, RMS norm.
 
-Channels are at axis 1 for batch norm; layer and RMS norm normalize the trailing
-``normalized_rank`` axes.  float16/bfloat16 are computed in float32 and rounded once.
+Channels are at axis 1 for batch and group norm (group norm normalizes each of ``groups``
+consecutive channel blocks of every sample over its channels and spatial axes); layer and
+RMS norm normalize the trailing ``normalized_rank`` axes.  float16/bfloat16 are computed in float32 and rounded once.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from .compute import (
     const,
     defcompute,
     drop_axes,
+    floordiv,
 )
 from .vjp import GradBuilder, defvjp
 
@@ -153,6 +155,71 @@ def _rms_norm_vjp(b, inputs, outputs, cotangents, attrs):
 
 
 
+# ------------------------------------------------------------------------ group norm
+def _group_norm_infer(types, *, groups, eps=1e-5):
+    x = types[0]
+    require_float(x)
+    if x.rank < 2:
+        raise ValueError(f"input must be at least 2-d (N, C, ...), got {fmt_shape(x.shape)}")
+    channels = x.shape[1]
+    if groups < 1 or not isinstance(channels, int) or channels % groups:
+        raise ValueError(f"{channels} channels (axis 1) cannot be split into {groups} groups")
+    for name, t in zip(("weight", "bias"), types[1:]):
+        require_float(t, name)
+        if t.shape != (channels,):
+            raise ValueError(f"{name} has shape {fmt_shape(t.shape)} but the input has "
+                             f"{channels} channels (axis 1)")
+    return x
+
+
+@defop("group_norm", infer=_group_norm_infer, num_inputs=(1, 3),
+       traits=("composite", "normalization"),
+       attrs={"groups": Attr("int"), "eps": Attr("float", 1e-5)}, amp="float32")
+def group_norm(x, weight=None, bias=None, *, groups, eps=1e-5):
+    """Per sample, split the channels into ``groups`` blocks; normalize each block over its
+    channels and spatial axes (biased variance), then ``* weight + bias`` per channel."""
+    xf = upcast_half(x)
+    grouped = xf.reshape(x.shape[0], groups, -1)
+    centered = grouped - grouped.mean(axis=2, keepdims=True)
+    var = np.mean(centered * centered, axis=2, keepdims=True)
+    y = (centered / np.sqrt(var + eps)).reshape(x.shape)
+    channel = (x.shape[1],) + (1,) * (x.ndim - 2)
+    if weight is not None:
+        y = y * upcast_half(weight).reshape(channel)
+    if bias is not None:
+        y = y + upcast_half(bias).reshape(channel)
+    return cast_like(y, x)
+
+
+@defvjp("group_norm")
+def _group_norm_vjp(b, inputs, outputs, cotangents, attrs):
+    """Layer norm's gradient over the last axis of ``x`` viewed as ``(N, groups, -1)``,
+    with ``gw = g * weight`` per channel; ``dweight = sum(g * xhat)`` and ``dbias = sum(g)``
+    over every axis but the channels."""
+    x, g = inputs[0], cotangents[0]
+    groups, eps = attrs["groups"], attrs["eps"]
+    shape = tuple(x.shape)
+    grouped = (shape[0], groups, math.prod(shape[1:]) // groups)
+    channel = (shape[1],) + (1,) * (len(shape) - 2)
+    others = (0, *range(2, len(shape)))
+    weight = b.cast(inputs[1], x.dtype) if len(inputs) > 1 else None
+    gw = g if weight is None else b.mul(g, b.reshape(weight, channel))
+    x3, gw3 = b.reshape(x, grouped), b.reshape(gw, grouped)
+    centered = b.sub(x3, b.op("mean", x3, dims=(2,), keepdim=True))
+    r = b.op("rsqrt", b.add(b.op("mean", b.mul(centered, centered), dims=(2,), keepdim=True),
+                            b.const(eps, x)))
+    xhat3 = b.mul(centered, r)
+    inner = b.add(b.mul(xhat3, b.op("mean", b.mul(gw3, xhat3), dims=(2,), keepdim=True)),
+                  b.op("mean", gw3, dims=(2,), keepdim=True))
+    grads: list = [b.reshape(b.mul(r, b.sub(gw3, inner)), shape) if b.wants(0) else None]
+    if len(inputs) > 1:
+        grads.append(b.cast(b.sum(b.mul(g, b.reshape(xhat3, shape)), others), inputs[1].dtype)
+                     if b.wants(1) else None)
+    if len(inputs) > 2:
+        grads.append(b.cast(b.sum(g, others), inputs[2].dtype) if b.wants(2) else None)
+    return grads
+
+
 # --------------------------------------------------------------- compute rules (lowering)
 @defcompute("batch_norm")
 def _batch_norm_compute(ctx, x, weight, bias, running_mean, running_var, *, eps=1e-5):
@@ -205,5 +272,41 @@ def _rms_norm_compute(ctx, x, weight=None, *, normalized_rank, eps=1e-6):
     def element(i):
         y = x.at(i, t) / call("sqrt", meansq(i) + const(eps, t))
         return y if weight is None else y * weight.at(i[x.rank - normalized_rank:], t)
+
+    return ctx.tensor(x.shape, x.dtype, element)
+
+
+@defcompute("group_norm")
+def _group_norm_compute(ctx, x, weight=None, bias=None, *, groups, eps=1e-5):
+    t = compute_dtype(x.dtype)
+    per_group = x.shape[1] // groups
+    extents = [per_group, *x.shape[2:]]
+    count = const(per_group * math.prod(x.shape[2:]), t)
+
+    def member(i, r):  # element r of group i = (sample, group)
+        return (i[0], i[1] * per_group + r[0], *r[1:])
+
+    def group_of(i):
+        return (i[0], floordiv(i[1], per_group))
+
+    total = ctx.reduce((x.shape[0], groups), t, "+", extents,
+                       lambda i, r: x.at(member(i, r), t), "sum")
+
+    def centered(i):
+        return x.at(i, t) - total[group_of(i)] / count
+
+    def centered_member(i, r):
+        return x.at(member(i, r), t) - total[i] / count
+
+    squares = ctx.reduce((x.shape[0], groups), t, "+", extents,
+                         lambda i, r: centered_member(i, r) * centered_member(i, r), "sq")
+
+    def element(i):
+        y = centered(i) / call("sqrt", squares[group_of(i)] / count + const(eps, t))
+        if weight is not None:
+            y = y * weight.at((i[1],), t)
+        if bias is not None:
+            y = y + bias.at((i[1],), t)
+        return y
 
     return ctx.tensor(x.shape, x.dtype, element)

@@ -313,8 +313,10 @@ def softmax(x, *, dim):
 
 @defvjp("softmax")
 def _softmax_vjp(b, inputs, outputs, cotangents, attrs):
-    """``y * (g - sum(g * y))`` along ``dim``."""
+    """``y * (g - sum(g * y))`` along ``dim``; rows that are all -inf (every key masked out,
+    ``y`` is NaN there) get zero gradients, as torch's safe softmax gives."""
     y, g = outputs[0], cotangents[0]
+    y = b.where(b.op("isnan", y), b.const(0.0, y), y)
     dot = b.op("sum", b.mul(g, y), dims=(attrs["dim"],), keepdim=True)
     return [b.mul(y, b.sub(g, dot))]
 
@@ -449,23 +451,31 @@ defcompute("argmax")(_arg_compute("max"))
 defcompute("argmin")(_arg_compute("min"))
 
 
-@defcompute("cumsum")
-def _cumsum_compute(ctx, x, *, dim, dtype=None):
-    """``out[.., i, ..] = sum(x[.., r, ..] for r in [0, i])``: each prefix is a reduction
-    with a triangular domain, summed in order as the reference does."""
-    out = ctx.out.dtype
-    acc = compute_dtype(out)
-    if x.rank == 0:
-        return ctx.tensor((), out, lambda i: convert(x.at(i, out), out, acc))
-    axis = normalize_dim(dim, x.rank)
+def scan_compute(combiner: str, name: str):
+    """Compute rule of an inclusive scan (``cumsum``: ``+``, ``cumprod``: ``*``) along ``dim``:
+    ``out[.., i, ..] = x[.., 0, ..] op ... op x[.., i, ..]``, each prefix a reduction with a
+    triangular domain, combined in order as the reference does."""
 
-    def body(i, r):
-        src = list(i)
-        src[axis] = r[0]
-        return convert(x.at(src, out), out, acc)
+    def rule(ctx, x, *, dim, dtype=None):
+        out = ctx.out.dtype
+        acc = compute_dtype(out)
+        if x.rank == 0:
+            return ctx.tensor((), out, lambda i: convert(x.at(i, out), out, acc))
+        axis = normalize_dim(dim, x.rank)
 
-    total = ctx.reduce(x.shape, acc, "+", lambda i: [(0, i[axis] + 1)], body, "cumsum")
-    return ctx.convert(total, out)
+        def body(i, r):
+            src = list(i)
+            src[axis] = r[0]
+            return convert(x.at(src, out), out, acc)
+
+        total = ctx.reduce(x.shape, acc, combiner, lambda i: [(0, i[axis] + 1)], body, name)
+        return ctx.convert(total, out)
+
+    rule.__doc__ = scan_compute.__doc__
+    return rule
+
+
+defcompute("cumsum")(scan_compute("+", "cumsum"))
 
 
 def _softmax_stages(ctx, x, dim):

@@ -155,7 +155,8 @@ def node_flops(node: Node) -> float:
         rows = _numel(q) // max(1, q.shape[-1])  # batch * heads * L
         keys = k.shape[-2] if isinstance(k.shape[-2], int) else 1
         return float(rows * keys * (2 * q.shape[-1] + 2 * v.shape[-1] + FLOPS_PER_ELEMENT["softmax"]))
-    if cls == "reduction" or kind in ("max_pool2d", "avg_pool2d", "adaptive_avg_pool2d", "cumsum"):
+    if cls == "reduction" or kind in ("max_pool2d", "avg_pool2d", "adaptive_avg_pool2d", "max_pool3d",
+                                         "avg_pool3d", "adaptive_avg_pool3d", "cumsum"):
         return FLOPS_PER_ELEMENT.get(kind, 1.0) * max(first_in, out)
     return FLOPS_PER_ELEMENT.get(kind, 1.0) * out
 
