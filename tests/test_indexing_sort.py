@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from eagercheck import Fn, assert_same, gen, randn
+from eagercheck import Fn, assert_same, check_gradients, gen, randn
 
 import kiln
 from kiln.zoo.compare import compare_all, flatten_outputs, weighted_loss, weights_for
@@ -124,27 +124,6 @@ def test_stable_sort_ties_and_nan_follow_torch():
 
 
 # ------------------------------------------------------------------------- gradients
-def _check_gradients(fn, inputs, n_float: int):
-    """Gradients of ``sum(out * R)`` w.r.t. the first ``n_float`` inputs: kiln (float32)
-    against eager float32 and float64."""
-    def grads(dtype, compile_it):
-        leaves = [t.to(dtype).requires_grad_() if k < n_float else t for k, t in enumerate(inputs)]
-        f = torch.compile(Fn(fn), backend="kiln", dynamic=False, options={"strict": True}) if compile_it else Fn(fn)
-        outs = flatten_outputs(f(*leaves))
-        loss = weighted_loss(outs, weights_for(outs))
-        got = torch.autograd.grad(loss, leaves[:n_float], allow_unused=True)
-        named = {f"d{k}": (g if g is not None else torch.zeros_like(leaves[k])) for k, g in enumerate(got)}
-        named.update({f"out:{k}": v for k, v in outs.items()})
-        return named
-
-    torch._dynamo.reset()
-    kiln32 = grads(torch.float32, True)
-    eager32, ref64 = grads(torch.float32, False), grads(torch.float64, False)
-    results = compare_all(kiln32, eager32, ref64)
-    bad = [c for c in results if not c.ok]
-    assert not bad, bad
-
-
 GRAD_CASES = {
     "sort_topk": (lambda x: (torch.sort(x, dim=1, descending=True)[0], torch.topk(x, 2, dim=-1)[0],
                              torch.topk(x, 2, dim=0, largest=False).values, torch.kthvalue(x, 2, dim=1)[0],
@@ -176,7 +155,7 @@ GRAD_CASES = {
 @pytest.mark.parametrize("case", list(GRAD_CASES))
 def test_gradients_through_torch_compile_match_eager(case, one_torch_thread):
     fn, inputs, n_float = GRAD_CASES[case]
-    _check_gradients(fn, inputs, n_float)
+    check_gradients(fn, inputs, n_float)
 
 
 def test_tied_values_share_gradient_like_torch(one_torch_thread):
@@ -185,7 +164,7 @@ def test_tied_values_share_gradient_like_torch(one_torch_thread):
     t = torch.tensor([[3., 1, 3, 3, 1, 2, 2, 0]])
     src = torch.tensor([[3., 3.]])
     index = torch.tensor([[0, 0]])
-    _check_gradients(lambda t, s: (torch.sort(t, descending=True, stable=True)[0] * torch.arange(8.),
+    check_gradients(lambda t, s: (torch.sort(t, descending=True, stable=True)[0] * torch.arange(8.),
                                    torch.cummax(t, 1)[0], t[:, :2].scatter_reduce(1, index, s, "amax")),
                      (t, src), 2)
 

@@ -15,10 +15,9 @@ import itertools
 import pytest
 import torch
 import torch.nn.functional as F
-from eagercheck import Fn, assert_same, randn
+from eagercheck import Fn, assert_same, check_gradients, randn
 
 import kiln
-from kiln.zoo.compare import compare_all, flatten_outputs, weighted_loss, weights_for
 
 X = randn(3, 6, 5)
 NANS = torch.tensor([[1., float("nan"), 3., -2., float("nan"), 0.5],
@@ -122,27 +121,6 @@ def test_logcumsumexp_is_exact_over_a_wide_range():
 
 
 # ------------------------------------------------------------------------- gradients
-def _check_gradients(fn, inputs, n_float: int):
-    """Gradients of ``sum(out * R)`` w.r.t. the first ``n_float`` inputs: kiln (float32)
-    against eager float32 and float64."""
-    def grads(dtype, compile_it):
-        leaves = [t.to(dtype).requires_grad_() if k < n_float else t for k, t in enumerate(inputs)]
-        f = torch.compile(Fn(fn), backend="kiln", dynamic=False, options={"strict": True}) if compile_it else Fn(fn)
-        outs = flatten_outputs(f(*leaves))
-        loss = weighted_loss(outs, weights_for(outs))
-        got = torch.autograd.grad(loss, leaves[:n_float], allow_unused=True)
-        named = {f"d{k}": (g if g is not None else torch.zeros_like(leaves[k])) for k, g in enumerate(got)}
-        named.update({f"out:{k}": v for k, v in outs.items()})
-        return named
-
-    torch._dynamo.reset()
-    kiln32 = grads(torch.float32, True)
-    eager32, ref64 = grads(torch.float32, False), grads(torch.float64, False)
-    results = compare_all(kiln32, eager32, ref64)
-    bad = [c for c in results if not c.ok]
-    assert not bad, bad
-
-
 GRID_IN = randn(1, 2, 4, 5, seed=13)
 GRID_PTS = randn(1, 3, 2, 2, seed=14) * 0.8  # inside, away from the kinks of the padding
 
@@ -182,7 +160,7 @@ GRAD_CASES = {
 @pytest.mark.parametrize("case", list(GRAD_CASES))
 def test_gradients_through_torch_compile_match_eager(case, one_torch_thread):
     fn, inputs, n_float = GRAD_CASES[case]
-    _check_gradients(fn, inputs, n_float)
+    check_gradients(fn, inputs, n_float)
 
 
 def test_views_of_inputs_train_through_torch_compile():

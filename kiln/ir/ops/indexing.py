@@ -15,7 +15,6 @@ import numpy as np
 
 from ..registry import Attr, defop
 from ..types import DType, normalize_dim
-from ._infer import fmt_shape, require_int
 from .compute import (
     LoweringError,
     Select,
@@ -26,32 +25,16 @@ from .compute import (
     defcompute,
     identity,
 )
-from .layout import _check_bounds, _tail_pads
+from .layout import _check_bounds, _tail_pads, scatter_infer
 from .vjp import defvjp
 
 REDUCTIONS = ("sum", "prod", "mean", "amax", "amin")
 
 
-def _scatter_infer(types, *, dim, **_):
-    x, index, src = types
-    require_int(index, "index")
-    if src.dtype != x.dtype:
-        raise TypeError(f"src is {src.dtype.short} but input is {x.dtype.short}; cast src first")
-    if not index.rank == src.rank == x.rank:
-        raise ValueError(f"input, index and src must have one rank, got {fmt_shape(x.shape)}, "
-                         f"{fmt_shape(index.shape)} and {fmt_shape(src.shape)}")
-    axis = normalize_dim(dim, x.rank) if x.rank else 0
-    for a, (i, s, d) in enumerate(zip(index.shape, src.shape, x.shape)):
-        if i > s or (a != axis and i > d):
-            raise ValueError(f"index {fmt_shape(index.shape)} is larger than src "
-                             f"{fmt_shape(src.shape)} or input {fmt_shape(x.shape)} on axis {a}")
-    return x
-
-
 def _scatter_reduce_infer(types, *, dim, reduce, include_self=True):
     if reduce not in REDUCTIONS:
         raise ValueError(f"reduce must be one of {', '.join(REDUCTIONS)}, got {reduce!r}")
-    return _scatter_infer(types, dim=dim)
+    return scatter_infer(types, dim=dim)
 
 
 def _targets(x: np.ndarray, index: np.ndarray, src: np.ndarray, dim: int, what: str):
@@ -68,7 +51,7 @@ def _targets(x: np.ndarray, index: np.ndarray, src: np.ndarray, dim: int, what: 
     return tuple(g.reshape(-1) for g in grid), src[window].reshape(-1)
 
 
-@defop("scatter", infer=_scatter_infer, num_inputs=3, attrs={"dim": Attr("int")})
+@defop("scatter", infer=scatter_infer, num_inputs=3, attrs={"dim": Attr("int")})
 def scatter(x, index, src, *, dim):
     """``out = x; out[index[i][j]][j] = src[i][j]`` for ``dim=0`` (torch.scatter); of repeated
     positions the last in row-major order of ``index`` wins."""

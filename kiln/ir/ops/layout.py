@@ -400,7 +400,9 @@ def _gather_vjp(b, inputs, outputs, cotangents, attrs):
     return [b.op("scatter_add", b.zeros(x.type), index, cotangents[0], dim=attrs["dim"]), None]
 
 
-def _scatter_add_infer(types, *, dim):
+def scatter_infer(types, *, dim, **_):
+    """Inference of the scatter family (``scatter_add`` here, ``scatter`` and
+    ``scatter_reduce`` in :mod:`.indexing`): the input's type, after checking the operands."""
     x, index, src = types
     require_int(index, "index")
     if src.dtype != x.dtype:
@@ -408,7 +410,7 @@ def _scatter_add_infer(types, *, dim):
     if not index.rank == src.rank == x.rank:
         raise ValueError(f"input, index and src must have one rank, got {fmt_shape(x.shape)}, "
                          f"{fmt_shape(index.shape)} and {fmt_shape(src.shape)}")
-    axis = normalize_dim(dim, x.rank)
+    axis = normalize_dim(dim, x.rank) if x.rank else 0
     for a, (i, s, d) in enumerate(zip(index.shape, src.shape, x.shape)):
         if i > s or (a != axis and i > d):
             raise ValueError(f"index {fmt_shape(index.shape)} is larger than src "
@@ -416,7 +418,7 @@ def _scatter_add_infer(types, *, dim):
     return x
 
 
-@defop("scatter_add", infer=_scatter_add_infer, num_inputs=3, attrs={"dim": Attr("int")},
+@defop("scatter_add", infer=scatter_infer, num_inputs=3, attrs={"dim": Attr("int")},
        impls={"generated": True, "library": "scatter_add"})
 def scatter_add(x, index, src, *, dim):
     """``out = x; out[index[i][j]][j] += src[i][j]`` for ``dim=0`` (torch.scatter_add);
