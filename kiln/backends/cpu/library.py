@@ -57,7 +57,7 @@ class LibraryCall:
     """The (4-d) result comes back in channels-last memory order."""
 
 
-def _matmul(node: Node) -> LibraryCall:
+def _matmul(node: Node, persistent: Sequence[bool] = ()) -> LibraryCall:
     def matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
         torch.matmul(a, b, out=out)
     return LibraryCall(matmul, True, "torch.matmul")
@@ -66,7 +66,7 @@ def _matmul(node: Node) -> LibraryCall:
 _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 
 
-def _conv(node: Node, persistent_weight: bool = False) -> LibraryCall:
+def _conv(node: Node, persistent: Sequence[bool] = ()) -> LibraryCall:
     a = node.attrs
     spatial = len(a["stride"])
     conv = _CONV.get(spatial)
@@ -76,7 +76,7 @@ def _conv(node: Node, persistent_weight: bool = False) -> LibraryCall:
     # Only a parameter may be packed once and reused: any other weight operand (an activation
     # or a gradient, as in the weight gradient of a convolution) is a new tensor at each call,
     # possibly at the address and version counter of the last one.
-    if spatial == 2 and node.inputs[0].dtype.name == "float32" and _PACKED_CONV and persistent_weight:
+    if spatial == 2 and node.inputs[0].dtype.name == "float32" and _PACKED_CONV and len(persistent) > 1 and persistent[1]:
         return LibraryCall(PackedConv2d(tuple(node.inputs[0].shape), stride, padding, dilation, groups), False,
                            "oneDNN convolution, prepacked weight", channels_last=True)
 
@@ -126,7 +126,7 @@ class PackedConv2d:
 _CONV_TRANSPOSE = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
 
 
-def _conv_transpose(node: Node) -> LibraryCall:
+def _conv_transpose(node: Node, persistent: Sequence[bool] = ()) -> LibraryCall:
     a = node.attrs
     spatial = len(a["stride"])
     conv = _CONV_TRANSPOSE.get(spatial)
@@ -140,7 +140,7 @@ def _conv_transpose(node: Node) -> LibraryCall:
     return LibraryCall(convolution, False, f"torch.nn.functional.conv_transpose{spatial}d")
 
 
-def _sdpa(node: Node) -> LibraryCall:
+def _sdpa(node: Node, persistent: Sequence[bool] = ()) -> LibraryCall:
     is_causal, scale = node.attrs["is_causal"], node.attrs["scale"]
 
     def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -148,7 +148,7 @@ def _sdpa(node: Node) -> LibraryCall:
     return LibraryCall(attention, False, "torch.nn.functional.scaled_dot_product_attention")
 
 
-def _embedding(node: Node) -> LibraryCall:
+def _embedding(node: Node, persistent: Sequence[bool] = ()) -> LibraryCall:
     width = node.outputs[0].shape[-1]
 
     def embedding(weight: torch.Tensor, indices: torch.Tensor, out: torch.Tensor) -> None:
@@ -156,7 +156,7 @@ def _embedding(node: Node) -> LibraryCall:
     return LibraryCall(embedding, True, "torch.index_select")
 
 
-def _index_put(node: Node) -> LibraryCall:
+def _index_put(node: Node, persistent: Sequence[bool] = ()) -> LibraryCall:
     rank = node.inputs[0].type.rank
     starts = [normalize_dim(d, rank) for d in node.attrs["dims"]]
     accumulate = node.attrs["accumulate"]
@@ -171,7 +171,7 @@ def _index_put(node: Node) -> LibraryCall:
     return LibraryCall(index_put, False, "torch index_put")
 
 
-def _scatter_add(node: Node) -> LibraryCall:
+def _scatter_add(node: Node, persistent: Sequence[bool] = ()) -> LibraryCall:
     dim = node.attrs["dim"]
 
     def scatter_add(x: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
@@ -179,7 +179,7 @@ def _scatter_add(node: Node) -> LibraryCall:
     return LibraryCall(scatter_add, False, "torch.scatter_add")
 
 
-LIBRARY: dict[str, Callable[[Node], LibraryCall]] = {
+LIBRARY: dict[str, Callable[[Node, Sequence[bool]], LibraryCall]] = {
     "matmul": _matmul,
     "conv": _conv,
     "conv_transpose": _conv_transpose,
@@ -188,7 +188,8 @@ LIBRARY: dict[str, Callable[[Node], LibraryCall]] = {
     "index_put": _index_put,
     "scatter_add": _scatter_add,
 }
-"""Library implementation name -> builder of the call for a node."""
+"""Library implementation name -> builder of the call for a node, given which operands
+are persistent (see :func:`library_call`)."""
 
 
 def library_name(node: Node) -> str | None:
@@ -214,9 +215,7 @@ def library_call(node: Node, persistent: Sequence[bool] = ()) -> LibraryCall:
     name = library_name(node)
     if name is None:
         raise KeyError(f"op '{node.kind}' has no library implementation in the cpu backend")
-    if name == "conv":
-        return _conv(node, persistent_weight=len(persistent) > 1 and bool(persistent[1]))
-    return LIBRARY[name](node)
+    return LIBRARY[name](node, persistent)
 
 
 # ------------------------------------------------------------------------------ views
