@@ -28,7 +28,7 @@ setup(
         "bench": ["onnxruntime", "onnx", "onnxscript", "matplotlib", "tqdm"],
     },
     entry_points={
-        "torch_dynamo_backends": ["kiln = kiln.compiler.dynamo:kiln_backend"],
+        "torch_dynamo_backends": ["kiln = kiln.frontends.torch.dynamo:kiln_backend"],
         "console_scripts": ["kiln-demo = kiln.compiler.demo:main", "kiln = kiln.compiler.cli:main"],
     },
 )

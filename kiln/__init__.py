@@ -17,9 +17,9 @@ from kiln.ir import KilnError
 from kiln.ir.errors import IllegalTransformError, ScheduleError
 from kiln.compiler.api import capture, compile
 from kiln.compiler.train import compile_train
-from kiln.compiler.errors import UnsupportedOpError
-from kiln.compiler.fallback import KilnFallbackWarning
-from kiln.compiler.dynamo import install_registration as _install_registration
+from kiln.frontends.errors import UnsupportedOpError
+from kiln.frontends.torch.fallback import KilnFallbackWarning
+from kiln.frontends.torch.dynamo import install_registration as _install_registration
 
 _install_registration()
 

@@ -119,9 +119,9 @@ graph @g(%a: f16[3], %b: bf16[3], %c: f64[3, 3]) {
     graph = parse(text.replace("%1: f64[3] = matmul(%c, %0)", "%x: f64[3] = cast(%0) {dtype=f64}\n"
                                "  %1: f64[3] = matmul(%c, %x)"))
     result = AutoMixedPrecision("bf16").run(graph).graph
-    kinds = [(n.kind, n.outputs[0].dtype) for n in result.nodes]
+    kinds = [(n.op_name, n.outputs[0].dtype) for n in result.nodes]
     assert ("add", DType.float32) in kinds and ("matmul", DType.float64) in kinds
-    assert sum(1 for n in result.nodes if n.kind == "cast") == 3  # a->f32, b->f32, explicit f64
+    assert sum(1 for n in result.nodes if n.op_name == "cast") == 3  # a->f32, b->f32, explicit f64
 
 
 def test_pass_is_idempotent_keeps_the_signature_and_stays_close():

@@ -21,7 +21,7 @@ from torch.utils import _pytree as pytree
 
 import kiln
 from kiln.backends import get_backend
-from kiln.compiler.autograd import DifferentiableGraph
+from kiln.frontends.torch.autograd import DifferentiableGraph
 
 from models import MODELS, mlp
 

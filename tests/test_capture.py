@@ -14,8 +14,8 @@ from torch.utils import _pytree as pytree
 
 import kiln.ir
 from kiln.backends.reference import run_graph
-from kiln.compiler.aten import kiln_dtype
-from kiln.compiler.capture import (
+from kiln.frontends.torch.aten import kiln_dtype
+from kiln.frontends.torch.capture import (
     Captured,
     capture,
     capture_fx,
@@ -26,7 +26,7 @@ from kiln.compiler.capture import (
     is_undecomposed,
     lowering_blockers,
 )
-from kiln.compiler.errors import CaptureError, UnsupportedOpError
+from kiln.frontends.errors import CaptureError, UnsupportedOpError
 from kiln.ir import DType, Graph, KilnError, TensorType
 
 from models import MODELS
@@ -216,7 +216,7 @@ class Relu(torch.nn.Module):
 
 
 def test_lowering_with_wrong_shape_is_reported_as_kiln_bug(monkeypatch):
-    from kiln.compiler import aten as aten_table
+    from kiln.frontends.torch import aten as aten_table
 
     wrong = aten_table.AtenRule(lambda ctx, x: ctx.op("sum", x))
     monkeypatch.setitem(aten_table.ATEN_TABLE, torch.ops.aten.relu.default, wrong)

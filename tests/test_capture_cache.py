@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 import kiln
-from kiln.compiler.fingerprint import model_fingerprint
+from kiln.frontends.torch.fingerprint import model_fingerprint
 from kiln.runtime import cache as cache_mod
 
 from models import MODELS
@@ -214,7 +214,7 @@ FINGERPRINT_SCRIPT = """
 import sys
 sys.path[:0] = [{tests!r}]
 from models import MODELS
-from kiln.compiler.fingerprint import model_fingerprint
+from kiln.frontends.torch.fingerprint import model_fingerprint
 builder, inputs = MODELS["gpt2"]
 args, kwargs = inputs()
 print(model_fingerprint(builder(), args, kwargs))
@@ -506,7 +506,7 @@ def test_what_cannot_be_described_is_uncacheable(cache_dir):
     compiled = compile_ref(reads_opaque, (x,))
     assert states(compiled)[0] == "uncacheable"
     torch.testing.assert_close(compiled(x), x + 1)
-    from kiln.compiler.fingerprint import uncacheable_reason
+    from kiln.frontends.torch.fingerprint import uncacheable_reason
 
     assert "Opaque" in uncacheable_reason(kiln.compiler.api.as_module(reads_opaque), (x,))
 

@@ -625,7 +625,7 @@ PIECES = {"amax", "exp", "erf", "tanh", "sigmoid", "rsqrt", "var", "mean", "silu
 
 @pytest.mark.parametrize("name", list(EXPORTED))
 def test_composites_come_back_from_fully_decomposed_exports(name):
-    from kiln.compiler.capture import capture_program
+    from kiln.frontends.torch.capture import capture_program
 
     build, shapes, expected = EXPORTED[name]
     torch.manual_seed(0)

@@ -15,7 +15,7 @@ import kiln
 import kiln.ir as ir
 from kiln.backends import get_backend
 from kiln.backends.cpu.gemm import blas_symbols
-from kiln.backends.cpu.plan import BufferRequest, check_plan, plan_memory
+from kiln.backends.common.memory_plan import BufferRequest, check_plan, plan_memory
 from kiln.passes import default_pipeline
 from kiln.runtime import torch_dtype
 
@@ -572,9 +572,9 @@ graph @chain(%x: f32[1, 3, 17, 17]) params(%w1: f32[8, 3, 3, 3], %w2: f32[8, 8, 
 }"""
     check_against_reference(text, poison=True)
     plan = build_graph_plan(default_pipeline().run(ir.parse(text)).graph, rule_choice)
-    assert not [op for op in plan.ops if op.kind == "copy"]
+    assert not [op for op in plan.ops if op.step == "copy"]
     if _PACKED_CONV:
-        written = [pv.name for op in plan.ops if op.kind == "kernel" for pv in op.outputs]
+        written = [pv.name for op in plan.ops if op.step == "kernel" for pv in op.outputs]
         assert any(name.endswith(".nhwc") for name in written)
 
 
@@ -622,8 +622,8 @@ graph @twice(%x: f32[5, 16]) params(%w1: f32[16, 16], %w2: f32[16, 16]) {
 
 
 def test_measure_command_runs_and_profiles(capsys):
-    """``python -m kiln.backends.cpu.measure`` (timings) and ``--profile`` (time per kind)."""
-    from kiln.backends.cpu import measure
+    """``python -m kiln.tuning.measure`` (timings) and ``--profile`` (time per kind)."""
+    from kiln.tuning import measure
 
     measure.main(["test-mlp", "--runs", "2"])
     table = capsys.readouterr().out

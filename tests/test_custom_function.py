@@ -308,7 +308,7 @@ def test_gradient_rule_is_the_backward_graph_and_inlining_keeps_values():
     np.testing.assert_allclose(value, (2 * np.round(a)).sum(), rtol=1e-6)
     np.testing.assert_allclose(grad, 1 / (1 + np.exp(-a)), rtol=1e-6)
     inlined = inline_custom_vjp(joint.graph)
-    assert "custom_vjp" not in {n.kind for n in inlined.nodes}
+    assert "custom_vjp" not in {n.op_name for n in inlined.nodes}
     for got, want in zip(run_graph(inlined, [a], []), (value, grad)):
         np.testing.assert_allclose(got, want, rtol=1e-6)
     optimized = default_pipeline()(graph).graph
@@ -346,7 +346,7 @@ def test_exact_backward_matches_finite_differences():
 
 def test_bad_backward_signature_is_a_clear_error():
     graph = _ste_node_graph()
-    node = next(n for n in graph.nodes if n.kind == "custom_vjp")
+    node = next(n for n in graph.nodes if n.op_name == "custom_vjp")
     with pytest.raises(kiln.ir.OpTypeError, match="backward graph @ste.forward must take"):
         graph.add_node("custom_vjp", [graph.inputs[0]],
                        {**node.attrs, "backward": node.attrs["forward"]})
@@ -354,7 +354,7 @@ def test_bad_backward_signature_is_a_clear_error():
 
 def test_missing_backward_refuses_gradients_naming_the_function():
     graph = _ste_node_graph()
-    node = next(n for n in graph.nodes if n.kind == "custom_vjp")
+    node = next(n for n in graph.nodes if n.op_name == "custom_vjp")
     node.attrs["backward"] = None
     with pytest.raises(KilnError, match=r"torch.autograd.Function STE.*torch.compile"):
         grad_graph(graph, wrt=["a"])
@@ -398,7 +398,7 @@ def test_kiln_compile_training_uses_the_functions_own_backward(which, backend):
     torch.manual_seed(0)
     model, x = EXPORT_MODELS[which]()
     compiled, _ = _export_train_check(model, x, backend, capture_cache=False)
-    kinds = {n.kind for n in compiled.graph.nodes}
+    kinds = {n.op_name for n in compiled.graph.nodes}
     assert "custom_vjp" not in kinds  # inlined after autodiff; its backward came from the user
 
 
@@ -411,7 +411,7 @@ def test_kiln_compile_ste_gradient_is_the_users():
 
 
 def test_exported_program_holds_one_function_op_with_both_bodies():
-    from kiln.compiler.capture import capture_program, export_program
+    from kiln.frontends.torch.capture import capture_program, export_program
 
     torch.manual_seed(0)
     model, x = MODELS["two_outputs_nondiff"]()
@@ -419,7 +419,7 @@ def test_exported_program_holds_one_function_op_with_both_bodies():
     targets = [n.target for n in ep.graph.nodes if n.op == "call_function"]
     assert targets.count(torch.ops.kiln.autograd_function.default) == 1
     assert torch.ops.kiln.function_output.default not in targets
-    (node,) = [n for n in capture_program(ep).graph.nodes if n.kind == "custom_vjp"]
+    (node,) = [n for n in capture_program(ep).graph.nodes if n.op_name == "custom_vjp"]
     assert node.attrs["backward"] is not None and node.attrs["nondiff"] == (1,)
     assert node.attrs["grads"][2:] == () and len(node.inputs) == 2  # x and w; 1.5 is a constant
     assert "test_custom_function.py" in node.attrs["name"]  # the Function's forward line
@@ -492,7 +492,7 @@ def test_compile_train_refuses_an_untraceable_function():
 
 
 def test_dynamo_runs_once_per_function_and_argument_types(monkeypatch):
-    from kiln.compiler import dynamo
+    from kiln.frontends.torch import dynamo
 
     calls = []
     trace = dynamo._trace_for_export
@@ -511,7 +511,7 @@ def test_capture_cache_hit_needs_no_registered_function(tmp_path, monkeypatch):
     """A cached capture holds the Function's graphs themselves, never a key into this
     process's registry: with the registry emptied (as in a new process) a hit still trains
     with the user's backward."""
-    from kiln.compiler import dynamo
+    from kiln.frontends.torch import dynamo
 
     torch.manual_seed(0)
     model, x = TwoLayer(RoundSigmoid), torch.randn(4, 5)
@@ -613,7 +613,7 @@ def test_in_place_writes_through_kiln_compile(which):
 
 def test_an_unloweable_write_is_refused_not_dropped():
     """An FX graph that writes into a view of a fresh tensor with an op kiln cannot lower."""
-    from kiln.compiler.fallback import compile_fx
+    from kiln.frontends.torch.fallback import compile_fx
 
     def f(x):
         y = torch.zeros(3, 8)

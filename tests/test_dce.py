@@ -88,7 +88,7 @@ def test_impure_nodes_are_never_removed():
     g.set_outputs([g.op("exp", x)])
     result = DeadCodeElimination().run(g)
     assert result.changed
-    assert [n.kind for n in result.graph.nodes] == [noise, "exp"]
+    assert [n.op_name for n in result.graph.nodes] == [noise, "exp"]
     assert not DeadCodeElimination().run(result.graph).changed
 
 

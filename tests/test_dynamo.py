@@ -12,7 +12,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 import kiln
-from kiln.compiler.dynamo import kiln_backend
+from kiln.frontends.torch.dynamo import kiln_backend
 
 from models import MODELS
 
@@ -137,7 +137,7 @@ def test_options_pick_backend_and_its_options(kiln_runs):
 def test_entry_point_is_registered():
     points = importlib.metadata.entry_points(group="torch_dynamo_backends")
     assert "kiln" in points.names, "install the dev tree with `pip install -e .`"
-    assert points["kiln"].value == "kiln.compiler.dynamo:kiln_backend"
+    assert points["kiln"].value == "kiln.frontends.torch.dynamo:kiln_backend"
     assert "kiln" in torch._dynamo.list_backends()
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import kiln
-from kiln.compiler.errors import UnsupportedOpError
+from kiln.frontends.errors import UnsupportedOpError
 
 OPTIONS = [dict(padding_idx=1), dict(padding_idx=-2), dict(scale_grad_by_freq=True),
            dict(padding_idx=1, scale_grad_by_freq=True), {}]

@@ -25,7 +25,7 @@ def random_inputs(graph: Graph, seed: int = 0) -> tuple[list[np.ndarray], list[n
 
     def make(v: ir.Value) -> np.ndarray:
         shape = tuple(v.shape)
-        if v.dtype.is_floating and v.kind == "param":  # positive, e.g. for variances
+        if v.dtype.is_floating and v.origin == "param":  # positive, e.g. for variances
             return rng.uniform(0.5, 1.5, shape).astype(v.dtype.numpy)
         if v.dtype.is_floating:
             return rng.standard_normal(shape).astype(v.dtype.numpy)
@@ -69,7 +69,7 @@ graph @main(%x: f32[4, 8], %y: f32[4, 8]) {
   return %3
 }""", """
 graph @main(%x: f32[4, 8], %y: f32[4, 8]) {
-  %3: f32[4, 8] = fused(%x, %y) {kind="elementwise", body=graph @elementwise_0(%x: f32[4, 8], %y: f32[4, 8]) {
+  %3: f32[4, 8] = fused(%x, %y) {template=\"elementwise", body=graph @elementwise_0(%x: f32[4, 8], %y: f32[4, 8]) {
     %c: f32[] = const 1.5
     %0: f32[4, 8] = exp(%x)
     %1: f32[4, 8] = add(%0, %c)
@@ -92,7 +92,7 @@ graph @main(%x: f32[4, 8]) params(%w: f32[8, 16], %b: f32[16]) {
 }""", """
 graph @main(%x: f32[4, 8]) params(%w: f32[8, 16], %b: f32[16]) {
   %0: f32[4, 8] = neg(%x)
-  %3: f32[4, 16] = fused(%0, %w, %b) {kind="matmul", body=graph @matmul_0(%0: f32[4, 8], %w: f32[8, 16], %b: f32[16]) {
+  %3: f32[4, 16] = fused(%0, %w, %b) {template=\"matmul", body=graph @matmul_0(%0: f32[4, 8], %w: f32[8, 16], %b: f32[16]) {
     %1: f32[4, 16] = matmul(%0, %w)
     %2: f32[4, 16] = add(%1, %b)
     %3: f32[4, 16] = relu(%2)
@@ -112,7 +112,7 @@ graph @main(%x: f32[1, 2, 5, 5]) params(%w: f32[2, 2, 3, 3], %g: f32[2], %b: f32
   return %3
 }""", """
 graph @main(%x: f32[1, 2, 5, 5]) params(%w: f32[2, 2, 3, 3], %g: f32[2], %b: f32[2], %m: f32[2], %v: f32[2]) {
-  %3: f32[1, 2, 5, 5] = fused(%x, %w, %g, %b, %m, %v) {kind="conv", body=graph @conv_0(%x: f32[1, 2, 5, 5], %w: f32[2, 2, 3, 3], %g: f32[2], %b: f32[2], %m: f32[2], %v: f32[2]) {
+  %3: f32[1, 2, 5, 5] = fused(%x, %w, %g, %b, %m, %v) {template=\"conv", body=graph @conv_0(%x: f32[1, 2, 5, 5], %w: f32[2, 2, 3, 3], %g: f32[2], %b: f32[2], %m: f32[2], %v: f32[2]) {
     %0: f32[1, 2, 5, 5] = conv(%x, %w) {stride=[1, 1], padding=[1, 1], dilation=[1, 1]}
     %1: f32[1, 2, 5, 5] = batch_norm(%0, %g, %b, %m, %v)
     %2: f32[1, 2, 5, 5] = add(%1, %x)
@@ -140,7 +140,7 @@ graph @main(%x: f32[4, 8]) {
 def test_reductions_over_the_same_axes_share_a_kernel_with_prologue_and_epilogue():
     check_fuse(SOFTMAX, """
 graph @main(%x: f32[4, 8]) {
-  %6: f32[4, 8] = fused(%x) {kind="reduction", body=graph @reduction_0(%x: f32[4, 8]) {
+  %6: f32[4, 8] = fused(%x) {template=\"reduction", body=graph @reduction_0(%x: f32[4, 8]) {
     %c: f32[] = const 0.5
     %0: f32[4, 8] = mul(%x, %c)
     %1: f32[4, 1] = amax(%0) {dims=[-1], keepdim=true}
@@ -158,19 +158,19 @@ graph @main(%x: f32[4, 8]) {
 def test_strategy_none_across_reductions_ends_a_kernel_at_each_reduction():
     check_fuse(SOFTMAX, """
 graph @main(%x: f32[4, 8]) {
-  %0: f32[4, 8], %1: f32[4, 1] = fused(%x) {kind="reduction", body=graph @reduction_0(%x: f32[4, 8]) {
+  %0: f32[4, 8], %1: f32[4, 1] = fused(%x) {template=\"reduction", body=graph @reduction_0(%x: f32[4, 8]) {
     %c: f32[] = const 0.5
     %0: f32[4, 8] = mul(%x, %c)
     %1: f32[4, 1] = amax(%0) {dims=[-1], keepdim=true}
     return %0, %1
   }}
-  %3: f32[4, 8], %4: f32[4, 1] = fused(%0, %1) {kind="reduction", body=graph @reduction_1(%0: f32[4, 8], %1: f32[4, 1]) {
+  %3: f32[4, 8], %4: f32[4, 1] = fused(%0, %1) {template=\"reduction", body=graph @reduction_1(%0: f32[4, 8], %1: f32[4, 1]) {
     %2: f32[4, 8] = sub(%0, %1)
     %3: f32[4, 8] = exp(%2)
     %4: f32[4, 1] = sum(%3) {dims=[-1], keepdim=true}
     return %3, %4
   }}
-  %6: f32[4, 8] = fused(%3, %4, %x) {kind="elementwise", body=graph @elementwise_2(%3: f32[4, 8], %4: f32[4, 1], %x: f32[4, 8]) {
+  %6: f32[4, 8] = fused(%3, %4, %x) {template=\"elementwise", body=graph @elementwise_2(%3: f32[4, 8], %4: f32[4, 1], %x: f32[4, 8]) {
     %5: f32[4, 8] = div(%3, %4)
     %6: f32[4, 8] = add(%5, %x)
     return %6
@@ -186,13 +186,13 @@ graph @main(%x: f32[4, 8]) {
   %c: f32[] = const 0.5
   %0: f32[4, 8] = mul(%x, %c)
   %1: f32[4, 1] = amax(%0) {dims=[-1], keepdim=true}
-  %3: f32[4, 8] = fused(%0, %1) {kind="elementwise", body=graph @elementwise_0(%0: f32[4, 8], %1: f32[4, 1]) {
+  %3: f32[4, 8] = fused(%0, %1) {template=\"elementwise", body=graph @elementwise_0(%0: f32[4, 8], %1: f32[4, 1]) {
     %2: f32[4, 8] = sub(%0, %1)
     %3: f32[4, 8] = exp(%2)
     return %3
   }}
   %4: f32[4, 1] = sum(%3) {dims=[-1], keepdim=true}
-  %6: f32[4, 8] = fused(%3, %4, %x) {kind="elementwise", body=graph @elementwise_1(%3: f32[4, 8], %4: f32[4, 1], %x: f32[4, 8]) {
+  %6: f32[4, 8] = fused(%3, %4, %x) {template=\"elementwise", body=graph @elementwise_1(%3: f32[4, 8], %4: f32[4, 1], %x: f32[4, 8]) {
     %5: f32[4, 8] = div(%3, %4)
     %6: f32[4, 8] = add(%5, %x)
     return %6
@@ -211,7 +211,7 @@ graph @main(%x: f32[4, 8]) {
   return %3
 }""")
     groups = partition(graph)
-    sums = [[n for n in g if n.kind == "sum"] for g in groups]
+    sums = [[n for n in g if n.op_name == "sum"] for g in groups]
     assert all(len(s) <= 1 for s in sums)
     assert_same_outputs(graph, Fuse().run(graph).graph)
 
@@ -241,12 +241,12 @@ graph @main(%x: f32[8]) {
   return %4
 }""", """
 graph @main(%x: f32[8]) {
-  %1: f32[8] = fused(%x) {kind="elementwise", body=graph @elementwise_0(%x: f32[8]) {
+  %1: f32[8] = fused(%x) {template=\"elementwise", body=graph @elementwise_0(%x: f32[8]) {
     %0: f32[8] = exp(%x)
     %1: f32[8] = neg(%0)
     return %1
   }}
-  %3: f32[8] = fused(%1) {kind="elementwise", body=graph @elementwise_1(%1: f32[8]) {
+  %3: f32[8] = fused(%1) {template=\"elementwise", body=graph @elementwise_1(%1: f32[8]) {
     %2: f32[8] = sin(%1)
     %3: f32[8] = cos(%2)
     return %3
@@ -265,7 +265,7 @@ graph @main(%x: f32[8]) {
   return %1, %2
 }""", """
 graph @main(%x: f32[8]) {
-  %0: f32[8], %1: f32[8] = fused(%x) {kind="elementwise", body=graph @elementwise_0(%x: f32[8]) {
+  %0: f32[8], %1: f32[8] = fused(%x) {template=\"elementwise", body=graph @elementwise_0(%x: f32[8]) {
     %0: f32[8] = exp(%x)
     %1: f32[8] = neg(%0)
     return %0, %1
@@ -288,7 +288,7 @@ graph @main(%x: f32[4, 8], %y: f32[8, 4]) {
 }""", """
 graph @main(%x: f32[4, 8], %y: f32[8, 4]) {
   %3: f32[4, 8] = permute(%y) {dims=[1, 0]}
-  %2: f32[32], %4: f32[4, 8] = fused(%x, %3) {kind="elementwise", body=graph @elementwise_0(%x: f32[4, 8], %3: f32[4, 8]) {
+  %2: f32[32], %4: f32[4, 8] = fused(%x, %3) {template=\"elementwise", body=graph @elementwise_0(%x: f32[4, 8], %3: f32[4, 8]) {
     %0: f32[4, 8] = exp(%x)
     %1: f32[32] = reshape(%0) {shape=[32]}
     %2: f32[32] = neg(%1)
@@ -312,7 +312,7 @@ graph @main(%x: f32[40]) {{
 }}""", f"""
 graph @main(%x: f32[40]) {{
   %big: f32[40] = const [{big}]
-  %2: f32[40] = fused(%x, %big) {{kind="elementwise", body=graph @elementwise_0(%x: f32[40], %big: f32[40]) {{
+  %2: f32[40] = fused(%x, %big) {{template=\"elementwise", body=graph @elementwise_0(%x: f32[40], %big: f32[40]) {{
     %0: f32[40] = full() {{shape=[40], value=2.0, dtype=f32}}
     %1: f32[40] = mul(%x, %0)
     %2: f32[40] = add(%1, %big)
@@ -394,10 +394,10 @@ def test_random_graphs_fuse_into_acyclic_bounded_kernels_with_the_same_outputs(s
     result = fuse.run(graph)
     ir.verify(result.graph)  # includes: every operand is defined before its use
     for node in result.graph.nodes:
-        if node.kind == "fused":
+        if node.op_name == "fused":
             body = node.attrs["body"]
             assert 2 <= len([n for n in body.nodes if n.op.name != "full"]) <= max_nodes
-            assert not any(n.kind == "cumsum" for n in body.nodes)
+            assert not any(n.op_name == "cumsum" for n in body.nodes)
     assert not fuse.run(result.graph).changed
     assert_same_outputs(graph, result.graph)
     text = str(result.graph)
@@ -418,7 +418,7 @@ def test_fused_op_infers_the_body_outputs_and_runs_the_body():
     g = Graph()
     x = g.add_input("x", TensorType((2, 3), F32))
     y = g.add_input("y", TensorType((3,), F32))
-    node = g.add_node("fused", [x, y], {"kind": "elementwise", "body": _body()})
+    node = g.add_node("fused", [x, y], {"template": "elementwise", "body": _body()})
     assert [v.type for v in node.outputs] == [TensorType((2, 3), F32)] * 2
     g.set_outputs(node.outputs)
     xs = [np.array([[-1.0, 2.0, -3.0], [4.0, -5.0, 6.0]], np.float32), np.ones(3, np.float32)]
@@ -432,9 +432,9 @@ def test_fused_op_infers_the_body_outputs_and_runs_the_body():
 
 
 @pytest.mark.parametrize("operands, attrs, message", [
-    ([(2, 3), (4,)], {"kind": "elementwise"}, r"operand 1 is f32\[4\] but body input %b is f32\[3\]"),
-    ([(2, 3)], {"kind": "elementwise"}, r"body @body takes 2 inputs, got 1 operands"),
-    ([(2, 3), (3,)], {"kind": "vector"}, r"kind 'vector' is not one of elementwise, reduction"),
+    ([(2, 3), (4,)], {"template": "elementwise"}, r"operand 1 is f32\[4\] but body input %b is f32\[3\]"),
+    ([(2, 3)], {"template": "elementwise"}, r"body @body takes 2 inputs, got 1 operands"),
+    ([(2, 3), (3,)], {"template": "vector"}, r"template 'vector' is not one of elementwise, reduction"),
 ])
 def test_fused_op_rejects_mismatched_operands(operands, attrs, message):
     g = Graph()
@@ -448,13 +448,13 @@ def test_fused_op_rejects_a_body_with_params():
     w = body.add_param("w", TensorType((3,), F32))
     body.set_outputs([body.op("neg", w)])
     with pytest.raises(OpTypeError, match=r"body @withparams has params \(%w\); pass them as operands"):
-        Graph().add_node("fused", [], {"kind": "opaque", "body": body})
+        Graph().add_node("fused", [], {"template": "opaque", "body": body})
 
 
 # -------------------------------------------------------------------------- models
 @pytest.fixture(scope="module", params=["mlp", "resnet18", "gpt2", "bert"])
 def model_case(request):
-    from kiln.compiler.capture import capture
+    from kiln.frontends.torch.capture import capture
     from tests.models import MODELS
 
     build, inputs_fn = MODELS[request.param]

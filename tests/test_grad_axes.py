@@ -509,7 +509,7 @@ def test_attention_forms(backend, kiln_runs):
 def flash_kept(monkeypatch):
     """Capture with torch's fused CPU attention kept whole (kiln's own rule lowers it)
     instead of torch's decomposition of it."""
-    from kiln.compiler import capture
+    from kiln.frontends.torch import capture
 
     monkeypatch.setattr(capture, "_KEPT_OPS",
                         (*capture._KEPT_OPS, "_scaled_dot_product_flash_attention_for_cpu.default"))
@@ -590,8 +590,8 @@ def test_log_sum_exp_with_gradients_is_refused(flash_kept):
 def test_unsupported_attention_calls_are_refused(call, reason):
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from kiln.compiler.aten import ATEN_TABLE
-    from kiln.compiler.aten_support import unsupported_reason
+    from kiln.frontends.torch.aten import ATEN_TABLE
+    from kiln.frontends.torch.aten_support import unsupported_reason
 
     with FakeTensorMode():  # the efficient variant has no CPU kernel; capture needs none
         q = torch.randn(1, 4, T, 8)

@@ -70,7 +70,7 @@ def assert_same_graph(a: Graph, b: Graph) -> None:
     """Structural equality: names, kinds, types, constant bytes, ops, attributes, outputs."""
     assert a.name == b.name
     for va, vb in zip(list(a.values()), list(b.values()), strict=True):
-        assert (va.name, va.type, va.kind, va.index) == (vb.name, vb.type, vb.kind, vb.index)
+        assert (va.name, va.type, va.origin, va.index) == (vb.name, vb.type, vb.origin, vb.index)
     for ca, cb in zip(a.constants, b.constants, strict=True):
         assert ca.data.dtype == cb.data.dtype and ca.data.shape == cb.data.shape
         if ca.dtype.is_floating:  # every NaN prints as "nan"; compare the rest bit for bit

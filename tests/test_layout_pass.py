@@ -6,7 +6,7 @@ import pytest
 from passcheck import assert_same_outputs, check
 
 import kiln.ir as ir
-from kiln.passes.layout import SinkViews
+from kiln.passes.sink_views import SinkViews
 
 
 def _g(body: str, sig: str = "%a: f32[2, 3, 4], %b: f32[2, 3, 4]") -> str:

@@ -1,4 +1,4 @@
-"""Matrix factorizations and solvers (kiln/ir/ops/linalg.py, kiln/compiler/aten_linalg.py)
+"""Matrix factorizations and solvers (kiln/ir/ops/linalg.py, kiln/frontends/torch/aten_linalg.py)
 end to end against PyTorch eager.
 
 Each case is a torch function of well-conditioned matrices.  Forward: compiled with
@@ -221,7 +221,7 @@ def test_effect_tokens_of_decomposed_factorizations_are_ignored():
     """Decomposed, linalg.cholesky / lu_factor / tensorinv check their info through an
     effect token (``with_effects(token, _linalg_check_errors, ...)``); capture drops it."""
     from kiln.backends.reference import run_graph
-    from kiln.compiler.capture import capture_program, export_program
+    from kiln.frontends.torch.capture import capture_program, export_program
 
     class Model(torch.nn.Module):
         def forward(self, a, b):

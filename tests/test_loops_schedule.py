@@ -198,7 +198,7 @@ def test_a_later_step_must_keep_parallel_marks_valid():
     with pytest.raises(IllegalTransformError, match=r"loop 'i' cannot run in parallel"):
         s.fuse("i", "i_1")
     s.serial("i_1").fuse("i", "i_1")  # the fused loop keeps no mark when the two differ
-    assert s.annotation("i").kind == "serial" and s.verify().legal
+    assert s.annotation("i").mode == "serial" and s.verify().legal
 
 
 def test_research_mode_applies_without_checking_and_verify_reports():

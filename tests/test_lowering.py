@@ -128,7 +128,7 @@ def test_a_bool_mask_index_is_not_lowered():
 def _fused(body: Graph, kind: str, names: list[str]) -> Node:
     g = Graph()
     operands = [g.add_input(v.name, v.type) for v in body.inputs]
-    return g.add_node("fused", operands, {"kind": kind, "body": body}, names=names)
+    return g.add_node("fused", operands, {"template": kind, "body": body}, names=names)
 
 
 def _lower_and_check(node: Node, operands: list[np.ndarray]) -> LoweredKernel:
@@ -164,7 +164,7 @@ program add_relu_scale() {
     }
   }
 }"""
-    assert (kernel.inputs, kernel.outputs, kernel.kind, kernel.constants) == (["x", "b"], ["out"], "elementwise", {})
+    assert (kernel.inputs, kernel.outputs, kernel.template, kernel.constants) == (["x", "b"], ["out"], "elementwise", {})
 
 
 def test_a_matmul_epilogue_runs_in_the_matmul_loop_nest():
@@ -356,7 +356,7 @@ def _all_values(graph: Graph, inputs, params) -> dict:
 
 @pytest.fixture(scope="module", params=["mlp", "gpt2", "bert", "resnet18"])
 def model_kernels(request):
-    from kiln.compiler.capture import capture
+    from kiln.frontends.torch.capture import capture
     from kiln.passes import default_pipeline
     from tests.models import MODELS
 
@@ -372,7 +372,7 @@ def model_kernels(request):
 
 def test_model_kernels_lower_and_match_the_reference_executor(model_kernels):
     name, graph, kernels, env = model_kernels
-    fused = [(n, k) for n, k in zip(graph.nodes, kernels) if n.kind == "fused"]
+    fused = [(n, k) for n, k in zip(graph.nodes, kernels) if n.op_name == "fused"]
     assert fused and all(k is not None for _, k in fused)
     assert all(k is None for n, k in zip(graph.nodes, kernels) if n.op.has("view"))
     ran = 0
@@ -394,7 +394,7 @@ def test_model_kernels_compile_to_c_and_match(model_kernels):
         pytest.skip("no C compiler")
     _, graph, kernels, env = model_kernels
     pairs = [(n, k) for n, k in zip(graph.nodes, kernels) if k is not None]
-    picked = {k.kind: (n, k) for n, k in sorted(pairs, key=lambda p: -_instances(p[1].program))}
+    picked = {k.template: (n, k) for n, k in sorted(pairs, key=lambda p: -_instances(p[1].program))}
     for node, kernel in list(picked.values())[:2]:
         native = kl.compile_c(kernel.program)
         arrays = {n: np.asarray(env[v], order="C") for n, v in zip(kernel.inputs, node.inputs)} | kernel.constants

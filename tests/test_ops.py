@@ -246,7 +246,7 @@ def _fused_body() -> Graph:
     return body
 
 
-add(case("fused", [f32(2, 3), f32(3)], lambda a, b: torch.relu(a + b), kind="elementwise",
+add(case("fused", [f32(2, 3), f32(3)], lambda a, b: torch.relu(a + b), template="elementwise",
          body=_fused_body()))
 
 

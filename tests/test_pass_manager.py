@@ -149,7 +149,7 @@ def test_run_is_functional_and_reports_change():
     result = pm.run(g)
     assert str(g) == before
     assert result.changed
-    assert [n.kind for n in result.graph.nodes] == ["mul", "add"]
+    assert [n.op_name for n in result.graph.nodes] == ["mul", "add"]
 
 
 def test_verification_failure_names_pass_and_predecessors():
@@ -234,7 +234,7 @@ def test_pass_manager_nests_as_a_pipeline_object():
     outer = PassManager([inner, DeadCodeElimination()])
     result = outer.run(ir.parse(GRAPH))
     assert [s.pass_spec for s in outer.stats] == ["fold,cse", "dce"]
-    assert [n.kind for n in result.graph.nodes] == ["mul", "add"]
+    assert [n.op_name for n in result.graph.nodes] == ["mul", "add"]
 
 
 def test_default_pipeline():

@@ -115,7 +115,7 @@ def random_graphs(draw) -> Graph:
         b.pool.append(b.g.add_input(f"x{i}", TensorType(shape, F32)))
     for _ in range(draw(st.integers(1, 12))):
         b.step()
-    results = [v for v in b.pool if v.kind == "result"] or b.pool
+    results = [v for v in b.pool if v.origin == "result"] or b.pool
     outputs = [results[-1]] + draw(st.lists(st.sampled_from(results), max_size=2))
     b.g.set_outputs(outputs)
     return b.g

@@ -76,8 +76,8 @@ def test_nested_operand_patterns_and_captured_nodes():
     m = match(pat, _root(g, "3"), g)
     assert m is not None
     assert (m["x"].name, m["y"].name, m["z"].name) == ("x", "y", "0")
-    assert m.node("prod").kind == "mul"
-    assert m.root.kind == "sub" and m.value.name == "3"
+    assert m.node("prod").op_name == "mul"
+    assert m.root.op_name == "sub" and m.value.name == "3"
     with pytest.raises(KeyError, match="captured no value named 'w'"):
         m["w"]
 
@@ -237,7 +237,7 @@ def test_max_rounds_bounds_a_rewrite_that_never_settles():
     g = _graph("graph @main(%x: f32[3]) {\n  %0: f32[3] = neg(%x)\n  return %0\n}")
     result = apply_patterns(g, [flip], max_rounds=3)
     assert result.changed
-    assert sum(n.kind == "neg" for n in result.graph.nodes) > 1
+    assert sum(n.op_name == "neg" for n in result.graph.nodes) > 1
 
 
 def _declare_impure_op() -> str:
@@ -262,9 +262,9 @@ def test_dead_matched_nodes_are_dropped_but_impure_ones_stay():
         return m["x"]
 
     result = apply_patterns(g, [double_neg])
-    kinds = [n.kind for n in result.graph.nodes]
+    kinds = [n.op_name for n in result.graph.nodes]
     assert kinds == [noise]
-    assert result.graph.outputs[0].producer.kind == noise
+    assert result.graph.outputs[0].producer.op_name == noise
 
 
 def test_multi_result_root_replacement_checks_count():

@@ -11,7 +11,7 @@ import torch.utils._pytree as pytree
 
 import kiln.ir as ir
 from kiln.backends.reference import run_graph
-from kiln.compiler.capture import capture
+from kiln.frontends.torch.capture import capture
 from kiln.passes import DEFAULT_PIPELINE, PassManager, default_pipeline, parse_pipeline
 from models import MODELS
 

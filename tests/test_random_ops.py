@@ -217,7 +217,7 @@ def test_reproducible_under_manual_seed_and_new_per_call():
 
 
 def test_draws_of_one_graph_use_disjoint_counters():
-    from kiln.compiler.aten_random import STREAM_BASE
+    from kiln.frontends.torch.aten_random import STREAM_BASE
 
     graph = kiln.capture(lambda x: (torch.rand(10, 10) + F.dropout(x, 0.5, True), torch.randn(7)),
                          (torch.zeros(10, 10),))

@@ -63,7 +63,7 @@ def test_remat_moves_backward_uses_onto_clones_and_keeps_values():
     verify(g)
     assert str(parse(str(g))) == str(g)
     clones = [n for n in g.nodes if n.outputs[0].name.startswith("remat.")]
-    assert sorted(n.kind for n in clones) == ["mul", "sin"]
+    assert sorted(n.op_name for n in clones) == ["mul", "sin"]
     users = g.users()
     forward = {n for n in g.nodes[:g.nodes.index(g.outputs[0].producer) + 1]}
     for clone in clones:

@@ -4,7 +4,7 @@ Forward: each group runs through ``kiln.compile(..., strict=True)`` on the refer
 backends and is compared with eager (integer results exactly).  Gradients: through
 ``torch.compile(backend="kiln", options={"strict": True})`` with ``loss = sum(out * R)``,
 judged by :mod:`kiln.zoo.compare` against eager float64.  The rules are compositions of kiln
-ops (``kiln/compiler/aten_statistics.py``, ``kiln/compiler/aten_sampling.py``), whose own
+ops (``kiln/frontends/torch/aten_statistics.py``, ``kiln/frontends/torch/aten_sampling.py``), whose own
 gradient rules have finite-difference checks in ``tests/test_grad_rules.py``.
 """
 

@@ -24,9 +24,9 @@ import torch
 import torch.nn.functional as F
 
 import kiln
-from kiln.compiler import aten_transformer
-from kiln.compiler.aten import ATEN_TABLE, AtenRule
-from kiln.compiler.aten_support import bad_value
+from kiln.frontends.torch import aten_transformer
+from kiln.frontends.torch.aten import ATEN_TABLE, AtenRule
+from kiln.frontends.torch.aten_support import bad_value
 from kiln.zoo.compare import compare_all, flatten_outputs, weighted_loss, weights_for
 
 BACKENDS = ("reference", "cpu")

@@ -46,9 +46,9 @@ def _as_type(node: Node, index: int, result: object, want: TensorType, float64: 
     array = np.asarray(result)
     if tuple(array.shape) != tuple(want.shape):
         raise KilnError(
-            f"kiln bug: node %{node.outputs[index].name} = {node.kind}(...) produced shape "
+            f"kiln bug: node %{node.outputs[index].name} = {node.op_name}(...) produced shape "
             f"{tuple(array.shape)} but its inferred type is {want}; the reference or the "
-            f"inference rule of op '{node.kind}' is wrong")
+            f"inference rule of op '{node.op_name}' is wrong")
     if float64 and want.dtype.is_floating:
         return array.astype(np.float64, copy=False)
     return array.astype(want.dtype.numpy, copy=False)
@@ -63,7 +63,7 @@ def _last_uses(graph: Graph) -> dict[Node, list[Value]]:
     keep = set(graph.outputs)
     frees: dict[Node, list[Value]] = {}
     for v, node in last.items():
-        if v not in keep and v.kind == "result":
+        if v not in keep and v.origin == "result":
             frees.setdefault(node, []).append(v)
     return frees
 
@@ -90,11 +90,11 @@ def run_graph(graph: Graph, inputs: Sequence[np.ndarray], params: Sequence[np.nd
     for node in graph.nodes:
         reference = node.op.reference
         if reference is None:
-            raise KilnError(f"run_graph: op '{node.kind}' has no reference implementation")
+            raise KilnError(f"run_graph: op '{node.op_name}' has no reference implementation")
         result = reference(*(env[v] for v in node.inputs), **node.attrs)
         results = result if isinstance(result, tuple) else (result,)
         if len(results) != len(node.outputs):
-            raise KilnError(f"kiln bug: op '{node.kind}' returned {len(results)} results for "
+            raise KilnError(f"kiln bug: op '{node.op_name}' returned {len(results)} results for "
                             f"{len(node.outputs)} declared ones")
         for i, (v, r) in enumerate(zip(node.outputs, results)):
             env[v] = _as_type(node, i, r, v.type, float64)

@@ -2,11 +2,11 @@
 
 The public entry points are re-exported by :mod:`kiln`: ``kiln.compile`` and ``kiln.capture``
 (:mod:`kiln.compiler.api`), and the ``"kiln"`` backend of ``torch.compile``
-(:mod:`kiln.compiler.dynamo`).
+(:mod:`kiln.frontends.torch.dynamo`).
 """
 
 from .api import compile
-from .errors import UnsupportedOpError
-from .fallback import KilnFallbackWarning
+from kiln.frontends.errors import UnsupportedOpError
+from kiln.frontends.torch.fallback import KilnFallbackWarning
 
 __all__ = ["KilnFallbackWarning", "UnsupportedOpError", "compile"]

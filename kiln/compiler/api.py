@@ -1,35 +1,35 @@
 """The public entry points: :func:`compile` and :func:`capture`.
 
 ``kiln.compile(model, example_inputs)`` first looks the model up in the capture cache
-(:mod:`kiln.compiler.capture_cache`; key: a fingerprint of the model's classes, attributes,
+(:mod:`kiln.frontends.torch.capture_cache`; key: a fingerprint of the model's classes, attributes,
 parameter shapes and the example inputs, computed without tracing).  On a hit it parses
 the cached kiln graph, binds the live parameters and goes on to the passes.  Otherwise it
 exports the model with ``torch.export`` (decomposed only when kiln cannot lower the
-training IR as it is, see :func:`kiln.compiler.capture.export_program`), then
+training IR as it is, see :func:`kiln.frontends.torch.capture.export_program`), then
 
 * when kiln supports every ATen node: captures the whole program into one kiln graph, runs
   the optional ``passes`` over it and builds it with the backend;
 * otherwise: with ``strict=True`` raises the first node's
-  :class:`~kiln.compiler.errors.UnsupportedOpError`; by default runs the exported graph with
+  :class:`~kiln.frontends.errors.UnsupportedOpError`; by default runs the exported graph with
   its supported partitions compiled by kiln and the rest in PyTorch, and warns once
-  (:class:`~kiln.compiler.fallback.KilnFallbackWarning`), exactly as
+  (:class:`~kiln.frontends.torch.fallback.KilnFallbackWarning`), exactly as
   ``torch.compile(backend="kiln")`` does.
 
 Programs kiln cannot compile for a fixed input shape are refused at the export with
-:class:`~kiln.compiler.errors.UnsupportedOpError`, saying why: an op whose result or result
+:class:`~kiln.frontends.errors.UnsupportedOpError`, saying why: an op whose result or result
 shape depends on tensor values (``torch.equal``, ``allclose``, ``nonzero``...), a Python
 branch on a tensor value; complex inputs (kiln has no complex dtypes) raise ``KilnError``.
 
 The passes' result is cached too, keyed by the captured graph's text and the pipeline text.
 A hit needs a fingerprint that describes everything the program's code can read (see
-:mod:`kiln.compiler.fingerprint`); turn the cache off with ``cache=False`` or
+:mod:`kiln.frontends.torch.fingerprint`); turn the cache off with ``cache=False`` or
 ``capture_cache=False`` (any backend) or ``KILN_CAPTURE_CACHE=0``.  ``compiled.stats["capture_cache"]`` and
 ``["passes_cache"]`` say ``"hit"``, ``"miss"``, ``"off"`` or ``"uncacheable"``.
 
 Either way the result is a :class:`~kiln.runtime.CompiledModule`: called like the model,
 checks its inputs first, reads the model's live parameters at every call, and returns the
 model's output structure.  It takes part in autograd
-(:class:`~kiln.compiler.autograd.TrainableCompiledModule`): under ``torch.no_grad()``, or
+(:class:`~kiln.frontends.torch.autograd.TrainableCompiledModule`): under ``torch.no_grad()``, or
 when nothing requires grad, it runs the inference graph; otherwise kiln's forward graph,
 and ``.backward()`` runs kiln's backward graph.
 """
@@ -47,14 +47,15 @@ from torch.export.graph_signature import InputKind, OutputKind
 
 from kiln.backends import DEFAULT_BACKEND, Backend, get_backend
 from kiln.ir import Graph, KilnError
+from kiln.passes.pipeline import PassTransform, resolve_passes  # noqa: F401  (re-exported)
 from kiln.runtime import CompiledModule, InputSlot, tensor_type
 
-from . import capture as capture_mod
-from .aten import has_kiln_dtype
-from .autograd import DifferentiableGraph, GradModeRunner, TrainableCompiledModule
-from .capture_cache import CaptureCache
-from .errors import CaptureError, UnsupportedOpError
-from .fallback import CompiledFx, GraphTransform, compile_fx, unsupported_nodes
+from kiln.frontends.torch import capture as capture_mod
+from kiln.frontends.torch.aten import has_kiln_dtype
+from kiln.frontends.torch.autograd import DifferentiableGraph, GradModeRunner, TrainableCompiledModule
+from kiln.frontends.torch.capture_cache import CaptureCache
+from kiln.frontends.errors import CaptureError, UnsupportedOpError
+from kiln.frontends.torch.fallback import CompiledFx, GraphTransform, compile_fx, unsupported_nodes
 
 
 def compile(model_or_function: torch.nn.Module | Callable[..., Any], example_inputs: Any,
@@ -226,67 +227,6 @@ def _model_name(model_or_function: Any) -> str:
     else:
         name = getattr(model_or_function, "__name__", "function")
     return re.sub(r"[^A-Za-z0-9_]", "_", name)
-
-
-def resolve_passes(passes: Any) -> GraphTransform | None:
-    """Turn the ``passes`` argument into ``Graph -> Graph`` (``None`` when there are none).
-
-    Text and sequences become a :class:`kiln.passes.manager.PassManager`; any other object
-    must have ``run(graph)`` returning a Graph or a result with ``.graph``.
-    """
-    if passes is None:
-        return None
-    if passes == "default":
-        from kiln.passes import default_pipeline
-
-        passes = default_pipeline()
-    elif passes == "learned":
-        from kiln.passes import learned_pipeline
-
-        passes = learned_pipeline()
-    elif isinstance(passes, (str, list, tuple)):
-        try:
-            from kiln.passes.manager import PassManager
-        except ImportError as e:
-            raise KilnError(
-                f"kiln: pass pipelines given as text or lists need kiln.passes.manager ({e}); "
-                "pass an object with .run(graph) instead"
-            ) from e
-        passes = PassManager(passes)
-    run = getattr(passes, "run", None)
-    if not callable(run):
-        raise TypeError(f"passes must be pipeline text, a list of passes or an object with .run(graph); "
-                        f"got {type(passes).__name__}")
-
-    return PassTransform(run, _pipeline_identity(passes))
-
-
-class PassTransform:
-    """A resolved ``passes`` argument: called on a graph, returns the transformed graph.
-
-    ``identity`` is the pipeline as text (with its iteration options) when its result is a
-    function of the input graph and that text alone -- a :class:`PassManager` of registered
-    passes without an IR dump folder -- so results can be cached; ``None`` otherwise.
-    """
-
-    def __init__(self, run: Callable[[Graph], Any], identity: str | None):
-        self._run = run
-        self.identity = identity
-
-    def __call__(self, graph: Graph) -> Graph:
-        result = self._run(graph)
-        return result if isinstance(result, Graph) else result.graph
-
-
-def _pipeline_identity(passes: Any) -> str | None:
-    from kiln.passes.base import Pass
-    from kiln.passes.manager import PassManager
-
-    if not isinstance(passes, PassManager) or passes.dump_dir is not None:
-        return None
-    if not all(isinstance(p, Pass) for p in passes.passes):
-        return None
-    return f"{passes.spec()} fixpoint={passes.fixpoint} max_iterations={passes.max_iterations}"
 
 
 # ------------------------------------------------------------------ pipelines

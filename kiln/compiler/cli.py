@@ -63,7 +63,7 @@ def _run_bench(args: argparse.Namespace, rest: list[str]) -> int:
 
 
 def _run_tune_passes(args: argparse.Namespace, rest: list[str]) -> int:
-    from kiln.passes.ordering.tune import main as tune_main
+    from kiln.tuning.rl.tune import main as tune_main
 
     return int(tune_main(rest, prog="kiln tune-passes"))
 

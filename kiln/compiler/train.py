@@ -75,7 +75,7 @@ from kiln.passes.remat import rematerialize
 from kiln.runtime import InputMismatchError, tensor_type
 from kiln.runtime.module import BUFFER_UPDATE_PREFIX, StateBinding, buffer_updates
 
-from . import capture as capture_mod
+from kiln.frontends.torch import capture as capture_mod
 from .api import as_args, resolve_passes
 
 SUPPORTED_OPTIMIZERS = ("torch.optim.SGD", "torch.optim.Adam", "torch.optim.AdamW")
@@ -172,7 +172,7 @@ class TrainStep:
         self.forward_graph = forward
         self.live = live
         self.optimizer = optimizer
-        self.kind = kind
+        self.optimizer_name = kind
         self.scaler = scaler
         self.backend = backend
         self.options = options
@@ -273,7 +273,7 @@ class TrainStep:
                 name = self._name_of.get(id(p))
                 if name is not None and name in self._trainable and p.requires_grad:
                     names.append(name)
-            specs.append(_group_spec(self.kind, group, tuple(names)))
+            specs.append(_group_spec(self.optimizer_name, group, tuple(names)))
         return specs
 
     def _build(self, groups: list[GroupSpec]) -> None:
@@ -378,7 +378,7 @@ class TrainStep:
         }
 
     def __repr__(self) -> str:
-        return (f"<TrainStep {self.kind} backend={self.backend.name}: "
+        return (f"<TrainStep {self.optimizer_name} backend={self.backend.name}: "
                 f"{len(self.graph.nodes) if self.graph is not None else '?'} nodes>")
 
 

@@ -31,13 +31,13 @@ _NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.]*$|^[0-9]+$")
 class Value:
     """An SSA value. Compared and hashed by identity."""
 
-    __slots__ = ("name", "type", "kind", "producer", "index", "data")
+    __slots__ = ("name", "type", "origin", "producer", "index", "data")
 
-    def __init__(self, name: str, type: TensorType, kind: str, producer: Node | None = None,
+    def __init__(self, name: str, type: TensorType, origin: str, producer: Node | None = None,
                  index: int = 0, data: np.ndarray | None = None):
         self.name = name
         self.type = type
-        self.kind = kind  # "input" | "param" | "const" | "result"
+        self.origin = origin  # "input" | "param" | "const" | "result"
         self.producer = producer
         self.index = index
         self.data = data
@@ -52,7 +52,7 @@ class Value:
 
     @property
     def is_const(self) -> bool:
-        return self.kind == "const"
+        return self.origin == "const"
 
     def __repr__(self) -> str:
         return f"%{self.name}: {self.type}"
@@ -72,20 +72,20 @@ class Node:
         self.loc = loc
 
     @property
-    def kind(self) -> str:
+    def op_name(self) -> str:
         """The op's registered name, e.g. ``"add"``."""
         return self.op.name
 
     @property
     def output(self) -> Value:
         if len(self.outputs) != 1:
-            raise ValueError(f"node {self.kind} has {len(self.outputs)} results, not one")
+            raise ValueError(f"node {self.op_name} has {len(self.outputs)} results, not one")
         return self.outputs[0]
 
     def __repr__(self) -> str:
         outs = ", ".join(f"%{v.name}" for v in self.outputs)
         ins = ", ".join(f"%{v.name}" for v in self.inputs)
-        return f"<Node {outs} = {self.kind}({ins})>"
+        return f"<Node {outs} = {self.op_name}({ins})>"
 
 
 def _const_key(data: np.ndarray) -> tuple:
@@ -230,7 +230,7 @@ class Graph:
     def op_histogram(self) -> dict[str, int]:
         hist: dict[str, int] = {}
         for n in self.nodes:
-            hist[n.kind] = hist.get(n.kind, 0) + 1
+            hist[n.op_name] = hist.get(n.op_name, 0) + 1
         return dict(sorted(hist.items()))
 
     # -------------------------------------------------------------- mutation
@@ -303,7 +303,7 @@ class Graph:
         vmap: dict[Value, Value] = {}
         for src, dst in ((self.inputs, g.inputs), (self.params, g.params), (self.constants, g.constants)):
             for v in src:
-                nv = Value(v.name, v.type, v.kind, data=v.data)
+                nv = Value(v.name, v.type, v.origin, data=v.data)
                 vmap[v] = nv
                 dst.append(nv)
         g._const_index = {_const_key(c.data): c for c in g.constants}

@@ -106,7 +106,7 @@ def format_graph(graph, indent: str = "", locs: bool = False) -> str:
     for n in graph.nodes:
         outs = ", ".join(f"{format_value_name(v.name)}: {v.type}" for v in n.outputs)
         args = ", ".join(format_value_name(v.name) for v in n.inputs)
-        text = f"{inner}{outs} = {n.kind}({args})"
+        text = f"{inner}{outs} = {n.op_name}({args})"
         defaults = n.op.default_attrs()
         shown = [(k, v) for k, v in n.attrs.items() if k not in defaults or not _same(defaults[k], v)]
         if shown:

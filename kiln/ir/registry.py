@@ -7,8 +7,10 @@ declaration instead of switching on op names elsewhere:
 * ``vjp``      -- gradient rule (autodiff),
 * ``amp``      -- mixed-precision policy: ``"low"``, ``"float32"`` or ``"follow"``,
 * ``compute``  -- element-wise compute definition used to lower to loop IR,
-* ``cost``     -- FLOP / byte estimate,
-* ``impls``    -- implementations a backend may choose from (generated, library, ...).
+* ``cost``     -- FLOP / byte estimate.
+
+Implementations live with the backends: a backend's library table names the ops it has a
+library call for (e.g. :data:`kiln.backends.cpu.library.LIBRARY`); an op never names a backend.
 
 Declaring an op::
 
@@ -119,7 +121,6 @@ class OpDef:
     amp: str | None = None
     compute: Callable[..., Any] | None = None
     cost: Callable[..., Any] | None = None
-    impls: dict[str, Any] = field(default_factory=dict)
 
     def has(self, trait: str) -> bool:
         return trait in self.traits

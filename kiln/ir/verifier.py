@@ -76,10 +76,10 @@ def _all_values(graph: Graph) -> Iterable[Value]:
 def _check_definitions(graph: Graph, where: str) -> None:
     for kind, values in (("input", graph.inputs), ("param", graph.params), ("const", graph.constants)):
         for v in values:
-            if v.kind != kind or v.producer is not None:
+            if v.origin != kind or v.producer is not None:
                 raise VerificationError(
                     f"{where}: %{v.name} is listed among the {kind}s but is recorded as "
-                    f"kind '{v.kind}'" + (f" produced by {v.producer!r}" if v.producer else "")
+                    f"kind '{v.origin}'" + (f" produced by {v.producer!r}" if v.producer else "")
                 )
             if not isinstance(v.type, TensorType):
                 raise VerificationError(f"{where}: %{v.name} has type {v.type!r}, expected a TensorType")
@@ -147,10 +147,10 @@ def _check_node(node: Node, index: int, defined: set[Value], later: dict[Value, 
                 f"{what}: type mismatch: result {i} ({_name(v)}) has type {v.type}, expected "
                 f"{expected} (inferred from operands {operands or 'none'})"
             )
-        if v.producer is not node or v.index != i or v.kind != "result":
+        if v.producer is not node or v.index != i or v.origin != "result":
             raise VerificationError(
                 f"{what}: result {i} ({_name(v)}) records producer {v.producer!r}, index {v.index}, "
-                f"kind '{v.kind}'; expected this node, index {i}, kind 'result'"
+                f"kind '{v.origin}'; expected this node, index {i}, kind 'result'"
             )
 
 
@@ -205,6 +205,6 @@ def _name(v: Any) -> str:
 
 
 def _role(v: Value) -> str:
-    if v.kind == "result" and v.producer is not None:
-        return f"result {v.index} of {v.producer.kind}"
-    return {"input": "an input", "param": "a param", "const": "a constant"}.get(v.kind, v.kind)
+    if v.origin == "result" and v.producer is not None:
+        return f"result {v.index} of {v.producer.op_name}"
+    return {"input": "an input", "param": "a param", "const": "a constant"}.get(v.origin, v.origin)

@@ -2,7 +2,7 @@
 
 Importing this package registers the built-in passes (``dce``, ``cse``, ``fold``,
 ``simplify``, ``canonicalize``, ``sink-views``, ``composites``, ``fuse``, ``amp``, ``remat``,
-``inline-custom-vjp``).
+``decompose``, ``recompute``, ``inline-custom-vjp``), each from the module named after it.
 See ``docs/passes.md`` (``amp``, ``remat``: ``docs/training.md``).
 """
 
@@ -32,8 +32,8 @@ from kiln.passes.pattern import (
 )
 
 # Built-in passes register themselves on import.
-from kiln.passes import canonicalize, composites, cse, dce, fold, fusion, layout, simplify  # noqa: E402,F401  isort: skip
-from kiln.passes import amp, remat  # noqa: E402,F401  (register "amp", "remat")
+from kiln.passes import canonicalize, composites, cse, dce, fold, fusion, simplify, sink_views  # noqa: E402,F401  isort: skip
+from kiln.passes import amp, decompose, recompute, remat  # noqa: E402,F401  isort: skip
 from kiln.passes import custom  # noqa: E402,F401  (registers "inline-custom-vjp")
 from kiln.passes.pipeline import DEFAULT_PIPELINE, default_pipeline  # noqa: E402
 

@@ -132,7 +132,7 @@ class _Rewriter:
 
     def _node(self, node: Node) -> None:
         operands = [self.vmap[v] for v in node.inputs]
-        if node.kind != "cast":
+        if node.op_name != "cast":
             operands = self._apply_policy(node, operands)
         new = self.g.add_node(node.op, operands, node.attrs, names=[v.name for v in node.outputs],
                               loc=node.loc)
@@ -141,7 +141,7 @@ class _Rewriter:
     def _apply_policy(self, node: Node, operands: list[Value]) -> list[Value]:
         policy = node.op.amp
         if policy not in POLICIES:
-            raise KilnError(f"kiln amp: op '{node.kind}' declares unknown amp policy {policy!r}; "
+            raise KilnError(f"kiln amp: op '{node.op_name}' declares unknown amp policy {policy!r}; "
                             f"known: 'low', 'float32', 'follow' (or None)")
         if policy == "low":
             return [self.cast(v, self.low) if v.dtype.is_floating and v.dtype != DType.float64 else v
@@ -180,18 +180,18 @@ def simplify_casts(graph: Graph) -> Graph:
     """``graph`` with no-op casts and exactly-representable cast chains removed (see the
     module docstring), and the casts this leaves unused deleted.  Returns the input graph
     itself when there is nothing to simplify."""
-    if not any(n.kind == "cast" for n in graph.nodes):
+    if not any(n.op_name == "cast" for n in graph.nodes):
         return graph
     g = graph.clone()
     producer = {v: n for n in g.nodes for v in n.outputs}
     changed = False
     for node in g.nodes:
-        if node.kind != "cast":
+        if node.op_name != "cast":
             continue
         source = node.inputs[0]
         target = node.attrs["dtype"]
         inner = producer.get(source)
-        while inner is not None and inner.kind == "cast" \
+        while inner is not None and inner.op_name == "cast" \
                 and holds_exactly(inner.inputs[0].dtype, source.dtype):
             source = inner.inputs[0]  # the inner cast was exact: skip it
             inner = producer.get(source)

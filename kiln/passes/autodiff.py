@@ -92,7 +92,7 @@ class SavedInfo:
     policy: str
     saved: tuple[str, ...]
     """Names of the saved values: extra forward outputs, and the first backward inputs."""
-    saved_kinds: tuple[str, ...]
+    saved_origins: tuple[str, ...]
     """``"input"``, ``"param"`` or ``"result"`` per saved value."""
     saved_bytes: int
     """Bytes of the saved intermediate results (kind ``"result"``)."""
@@ -174,7 +174,7 @@ def backprop(graph: Graph, nodes: Sequence[Node], seeds: Iterable[tuple[Value, V
         rule = node.op.vjp
         if rule is None:
             raise KilnError(
-                f"autodiff: op '{node.kind}' has no gradient rule, but node {_describe(node)} lies "
+                f"autodiff: op '{node.op_name}' has no gradient rule, but node {_describe(node)} lies "
                 f"between the differentiated values and the loss{_at(node)}. Declare one beside "
                 "the op (defvjp in kiln/ir/ops), or keep the op off that path "
                 "(e.g. narrow wrt=...).")
@@ -184,17 +184,17 @@ def backprop(graph: Graph, nodes: Sequence[Node], seeds: Iterable[tuple[Value, V
         try:
             results = list(rule(builder, node.inputs, node.outputs, cts, dict(node.attrs)))
         except OpTypeError as e:
-            raise KilnError(f"autodiff: the gradient rule of '{node.kind}' built an ill-typed node "
+            raise KilnError(f"autodiff: the gradient rule of '{node.op_name}' built an ill-typed node "
                             f"for {_describe(node)}{_at(node)}: {e}") from e
         if len(results) != len(node.inputs):
-            raise KilnError(f"kiln bug: the gradient rule of '{node.kind}' returned {len(results)} "
+            raise KilnError(f"kiln bug: the gradient rule of '{node.op_name}' returned {len(results)} "
                             f"cotangents for {len(node.inputs)} operands")
         for i, (value, ct, want) in enumerate(zip(node.inputs, results, wants)):
             if ct is None or not want:
                 continue
             if ct.type != value.type:
                 raise KilnError(
-                    f"kiln bug: the gradient rule of '{node.kind}' gave operand {i} "
+                    f"kiln bug: the gradient rule of '{node.op_name}' gave operand {i} "
                     f"(%{value.name}: {value.type}) a cotangent of type {ct.type}{_at(node)}")
             accumulate(value, ct, builder)
     return cotangent
@@ -281,7 +281,7 @@ def _free_name(graph: Graph, hint: str) -> str:
 def _describe(node: Node) -> str:
     outs = ", ".join(f"%{v.name}: {v.type}" for v in node.outputs)
     args = ", ".join(f"%{v.name}: {v.type}" for v in node.inputs)
-    return f"{outs} = {node.kind}({args})"
+    return f"{outs} = {node.op_name}({args})"
 
 
 def _at(node: Node) -> str:
@@ -292,8 +292,8 @@ def _at(node: Node) -> str:
 def inline_fused(graph: Graph) -> Graph:
     """A clone of ``graph`` with every ``fused`` node replaced by its body's nodes."""
     g = graph.clone()
-    while any(n.kind == "fused" for n in g.nodes):
-        for node in [n for n in g.nodes if n.kind == "fused"]:
+    while any(n.op_name == "fused" for n in g.nodes):
+        for node in [n for n in g.nodes if n.op_name == "fused"]:
             body: Graph = node.attrs["body"]
             env: dict[Value, Value] = dict(zip(body.inputs, node.inputs))
             for c in body.constants:
@@ -353,8 +353,8 @@ def split_joint(joint: JointGraph, policy: str = "save-all") -> tuple[Graph, Gra
     info = SavedInfo(
         policy=policy,
         saved=tuple(v.name for v in saved),
-        saved_kinds=tuple(v.kind for v in saved),
-        saved_bytes=sum(v.type.nbytes for v in saved if v.kind == "result"),
+        saved_origins=tuple(v.origin for v in saved),
+        saved_bytes=sum(v.type.nbytes for v in saved if v.origin == "result"),
         saved_total_bytes=sum(v.type.nbytes for v in saved),
         forward_outputs=joint.forward_outputs,
         cotangent_inputs=tuple(v.name for v in cotangent_inputs),
@@ -367,13 +367,13 @@ def split_joint(joint: JointGraph, policy: str = "save-all") -> tuple[Graph, Gra
 def _ancestors(graph: Graph, values: Iterable[Value]) -> set[Node]:
     """Nodes whose results ``values`` depend on."""
     found: set[Node] = set()
-    stack = [v.producer for v in values if v.kind == "result"]
+    stack = [v.producer for v in values if v.origin == "result"]
     while stack:
         node = stack.pop()
         if node in found:
             continue
         found.add(node)
-        stack.extend(v.producer for v in node.inputs if v.kind == "result")
+        stack.extend(v.producer for v in node.inputs if v.origin == "result")
     return found
 
 
@@ -384,7 +384,7 @@ def _saved_values(graph: Graph, backward: Sequence[Node], grads: Sequence[Value]
     read = {v for n in backward for v in n.inputs} | set(grads)
     order = {v: i for i, v in enumerate(graph.values())}
     saved = [v for v in read
-             if v not in computed and v not in cotangents and v.kind != "const"]
+             if v not in computed and v not in cotangents and v.origin != "const"]
     return sorted(saved, key=order.__getitem__)
 
 

@@ -61,7 +61,7 @@ list of axes, ``set`` an unordered set of axes.  Axes count in the first operand
 def _normal_axes(node: Node) -> dict[str, Any]:
     """``node``'s attributes with axes, select index and slice bounds in canonical form."""
     attrs = dict(node.attrs)
-    entry = AXIS_ATTRS.get(node.kind)
+    entry = AXIS_ATTRS.get(node.op_name)
     if entry is None or not node.inputs:
         return attrs
     key, form = entry
@@ -75,11 +75,11 @@ def _normal_axes(node: Node) -> dict[str, Any]:
         attrs[key] = tuple(d % rank for d in value)
     else:
         attrs[key] = tuple(sorted({d % rank for d in value}))
-    if node.kind == "select":
+    if node.op_name == "select":
         size = node.inputs[0].shape[attrs["dim"]]
         if isinstance(size, int) and size > 0:
             attrs["index"] = attrs["index"] % size
-    if node.kind == "slice":
+    if node.op_name == "slice":
         attrs.update(_clamped_slice(node.inputs[0].shape[attrs["dim"]], attrs))
     return attrs
 
@@ -101,14 +101,14 @@ def _has_noncanonical_axes(v: Value) -> bool:
 @rewrite(op(tuple(AXIS_ATTRS), where=_has_noncanonical_axes))
 def normalize_axes(m: Match, b: Builder) -> Value | Sequence[Value] | None:
     node = m.root
-    new = b.node(node.kind, node.inputs, _normal_axes(node))
+    new = b.node(node.op_name, node.inputs, _normal_axes(node))
     return new.outputs
 
 
 @rewrite(op(("reshape", "expand"), any_value("x"),
             where=lambda v: v.type.is_static and tuple(v.producer.attrs["shape"]) != tuple(v.shape)))
 def explicit_view_shape(m: Match, b: Builder) -> Value | None:
-    return b.op(m.root.kind, m["x"], shape=tuple(m.value.shape))
+    return b.op(m.root.op_name, m["x"], shape=tuple(m.value.shape))
 
 
 @rewrite(op("sub", any_value("x"), const("c", dtype=FLOAT_DTYPES)))

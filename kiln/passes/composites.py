@@ -103,15 +103,15 @@ def attr_float(value: Value) -> float | None:
 def unscale(value: Value) -> tuple[Value, float]:
     """Peel ``mul``/``div`` by scalar constants: ``value == base * factor`` (same type)."""
     factor = 1.0
-    while value.producer is not None and value.producer.kind in ("mul", "div"):
+    while value.producer is not None and value.producer.op_name in ("mul", "div"):
         node = value.producer
         a, b = node.inputs
-        if node.kind == "mul" and scalar_of(a) is not None and scalar_of(b) is None:
+        if node.op_name == "mul" and scalar_of(a) is not None and scalar_of(b) is None:
             a, b = b, a
         c = scalar_of(b)
         if c is None or c == 0.0 or a.type != value.type:
             break
-        factor = factor * c if node.kind == "mul" else factor / c
+        factor = factor * c if node.op_name == "mul" else factor / c
         value = a
     return value, factor
 
@@ -196,7 +196,7 @@ def _norm_weight_fn(m: Match, b: Builder) -> Value | None:
         return None
     x = norm.inputs[0]
     w = _norm_param(b, m["w"], x, norm.attrs["normalized_rank"])
-    return None if w is None else b.op(norm.kind, x, w, **norm.attrs)
+    return None if w is None else b.op(norm.op_name, x, w, **norm.attrs)
 
 
 def _norm_bias_fn(m: Match, b: Builder) -> Value | None:
@@ -310,7 +310,7 @@ def _outer_factor(m: Match) -> float | None:
     if s is None or s == 0.0:
         return None
     scaled = m.root if "prod" in m else m.node("sonep")
-    return s if scaled.kind == "mul" else 1.0 / s
+    return s if scaled.op_name == "mul" else 1.0 / s
 
 
 def power_of(value: Value, x: Value) -> float | None:
@@ -318,10 +318,10 @@ def power_of(value: Value, x: Value) -> float | None:
     if value is x:
         return 1.0
     node = value.producer
-    if node is None or node.kind not in ("mul", "pow") or value.type != x.type:
+    if node is None or node.op_name not in ("mul", "pow") or value.type != x.type:
         return None
     base = power_of(node.inputs[0], x)
-    if node.kind == "pow":
+    if node.op_name == "pow":
         exponent = scalar_of(node.inputs[1])
         return None if base is None or exponent is None else base * exponent
     other = power_of(node.inputs[1], x)
@@ -331,7 +331,7 @@ def power_of(value: Value, x: Value) -> float | None:
 def _tanh_argument_ok(arg: Value, x: Value) -> bool:
     inner, f = unscale(arg)
     node = inner.producer
-    if not is_close(f, SQRT_2_OVER_PI, x.dtype) or node is None or node.kind != "add":
+    if not is_close(f, SQRT_2_OVER_PI, x.dtype) or node is None or node.op_name != "add":
         return False
     for lin, cubic in (node.inputs, node.inputs[::-1]):
         cube, fc = unscale(cubic)
@@ -347,7 +347,7 @@ def _gelu_fn(m: Match, b: Builder) -> Value | None:
     x, fa = unscale(m["a"])
     if x.type != m.value.type or not is_close(outer * fa, 0.5, x.dtype):
         return None
-    if m.node("t").kind == "erf":
+    if m.node("t").op_name == "erf":
         arg, f = unscale(m["arg"])
         if arg is not x or not is_close(f, SQRT1_2, x.dtype):
             return None
@@ -391,7 +391,7 @@ def gated_mlp_rewrites() -> list[Rewrite]:
 # -------------------------------------------------------------------------- attention
 def strip_batch_views(value: Value) -> Value:
     """Peel ``reshape``/``expand`` nodes that keep the last two axes (batch-only views)."""
-    while value.producer is not None and value.producer.kind in ("reshape", "expand"):
+    while value.producer is not None and value.producer.op_name in ("reshape", "expand"):
         inner = value.producer.inputs[0]
         if min(inner.type.rank, value.type.rank) < 2 or inner.shape[-2:] != value.shape[-2:]:
             break
@@ -441,11 +441,11 @@ def _split_mask(b: Builder, scores: Value) -> tuple[Value, Value | None]:
     node = scores.producer
     if node is None:
         return scores, None
-    if node.kind == "add":
+    if node.op_name == "add":
         for raw, mask in (node.inputs, node.inputs[::-1]):
             if raw.type == scores.type and mask.dtype.is_floating and _is_qk(raw):
                 return raw, mask
-    if node.kind == "where":
+    if node.op_name == "where":
         cond, a, c = node.inputs
         if cond.dtype.name == "bool":
             if a.type == scores.type and _is_neg_inf(c) and _is_qk(a):
@@ -462,7 +462,7 @@ def _is_neg_inf(value: Value) -> bool:
 
 def _is_qk(value: Value) -> bool:
     base, _ = peel(value)
-    return base.producer is not None and base.producer.kind == "matmul"
+    return base.producer is not None and base.producer.op_name == "matmul"
 
 
 def _untransposed(b: Builder, kt: Value) -> Value:
@@ -470,7 +470,7 @@ def _untransposed(b: Builder, kt: Value) -> Value:
     rank = kt.type.rank
     swap = tuple(range(rank - 2)) + (rank - 1, rank - 2)
     node = kt.producer
-    if node is not None and node.kind == "permute":
+    if node is not None and node.op_name == "permute":
         dims = tuple(normalize_dim(d, rank) for d in node.attrs["dims"])
         composed = tuple(dims[i] for i in swap)
         if composed == tuple(range(rank)):
@@ -487,7 +487,7 @@ def _attention_fn(m: Match, b: Builder) -> Value | None:
     v = strip_batch_views(mm.inputs[1])
     raw, mask = _split_mask(b, scores)
     qk, scale = peel(raw)
-    if qk.producer is None or qk.producer.kind != "matmul":
+    if qk.producer is None or qk.producer.op_name != "matmul":
         return None
     q, fq = peel(qk.producer.inputs[0])
     kt, fk = peel(qk.producer.inputs[1])

@@ -41,7 +41,7 @@ def node_key(node: Node, operands: tuple[Value, ...]) -> tuple:
     if node.op.has("commutative") and len(ids) == 2:
         ids = tuple(sorted(ids))
     attrs = tuple((k, freeze_attr(v)) for k, v in node.attrs.items())
-    return (node.kind, ids, attrs)
+    return (node.op_name, ids, attrs)
 
 
 def _const_key(value: Value) -> tuple:

@@ -26,7 +26,7 @@ OP = "custom_vjp"
 
 
 def has_custom_vjp(graph: Graph) -> bool:
-    return any(n.kind == OP for n in graph.nodes)
+    return any(n.op_name == OP for n in graph.nodes)
 
 
 def inline_custom_vjp(graph: Graph) -> Graph:
@@ -36,7 +36,7 @@ def inline_custom_vjp(graph: Graph) -> Graph:
         return graph
     g = graph.clone()
     while has_custom_vjp(g):  # a forward graph may hold custom_vjp nodes of its own
-        for node in [n for n in g.nodes if n.kind == OP]:
+        for node in [n for n in g.nodes if n.op_name == OP]:
             results = inline_body(g, node.attrs["forward"], node.inputs, loc=node.loc, before=node)
             for out, value in zip(node.outputs, results):
                 g.replace_all_uses(out, value)

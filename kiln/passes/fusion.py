@@ -75,7 +75,7 @@ _TRAIT_CLASSES = (
 
 def node_class(node: Node) -> str:
     """The fusion class of ``node`` (see the module docstring)."""
-    if node.kind == "fused":
+    if node.op_name == "fused":
         return "fused"
     if node.op.has("random"):
         return "opaque"
@@ -300,7 +300,7 @@ def _build_body(graph: Graph, members: Sequence[Node],
     def inner(v: Value) -> Value:
         if v in vmap:
             return vmap[v]
-        if v.kind == "const" and v.type.numel <= INLINE_CONSTANT_ELEMENTS:
+        if v.origin == "const" and v.type.numel <= INLINE_CONSTANT_ELEMENTS:
             vmap[v] = body.add_constant(v.data, dtype=v.dtype, name=v.name)
         elif _is_copyable_creation(v):
             src = v.producer
@@ -331,7 +331,7 @@ def fuse_groups(graph: Graph, groups: Sequence[Sequence[Node]]) -> Graph:
     """
     g, vmap = graph.clone_with_map()
     node_map = {n: vmap[n.outputs[0]].producer for n in graph.nodes if n.outputs}
-    counter = sum(1 for n in g.nodes if n.kind == "fused")
+    counter = sum(1 for n in g.nodes if n.op_name == "fused")
     copied_creations: set[Node] = set()
     for group in groups:
         members = [node_map[n] for n in group]
@@ -344,7 +344,7 @@ def fuse_groups(graph: Graph, groups: Sequence[Sequence[Node]]) -> Graph:
         names = [v.name for v in escaping]
         for n in members:
             g.remove_node(n)
-        fused = g.add_node("fused", operands, {"kind": kind, "body": body}, names=names,
+        fused = g.add_node("fused", operands, {"template": kind, "body": body}, names=names,
                            loc=anchor.loc)
         for old, new in zip(escaping, fused.outputs):
             g.replace_all_uses(old, new)

@@ -10,7 +10,7 @@ Public API (stable)::
     kernel.program    # kiln.ir.loops.Program: no parameters, static shapes, plain serial loops
     kernel.inputs     # buffer names, one per node operand, in operand order
     kernel.outputs    # buffer names, one per node result, in result order
-    kernel.kind       # the fused node's kind, else the node's fusion class
+    kernel.template   # the fused node's template, else the node's fusion class
     kernel.constants  # {buffer name: ndarray}: global buffers holding tensor constants
 
 Running a kernel: every global buffer gets an array of exactly its dtype and shape (the
@@ -85,7 +85,7 @@ class LoweredKernel:
     program: Program
     inputs: list[str]
     outputs: list[str]
-    kind: str
+    template: str
     constants: dict[str, np.ndarray] = field(default_factory=dict)
 
 
@@ -116,10 +116,10 @@ def lower_node(node: Node) -> LoweredKernel:
     buffer_of: dict = {}
     for k, v in enumerate(node.inputs):
         if v not in buffer_of:
-            shape = static_shape(v.type, f"operand {k} (%{v.name}) of {node.kind}")
+            shape = static_shape(v.type, f"operand {k} (%{v.name}) of {node.op_name}")
             buffer_of[v] = builder.declare(v.name, shape, v.dtype, "global")
     inputs = [buffer_of[v] for v in node.inputs]
-    outputs = [builder.declare(v.name, static_shape(v.type, f"result %{v.name} of {node.kind}"), v.dtype, "global")
+    outputs = [builder.declare(v.name, static_shape(v.type, f"result %{v.name} of {node.op_name}"), v.dtype, "global")
                for v in node.outputs]
     results = apply_rule(builder, node.op, [builder.tensor_of(n) for n in inputs], node.attrs,
                          [v.type for v in node.outputs], node.outputs[0].name)
@@ -134,10 +134,10 @@ def lower_node(node: Node) -> LoweredKernel:
     kept = [b for b in builder.buffers.values() if b.name not in aliases]
     order = {name: k for k, name in enumerate([*inputs, *builder.constants, *outputs])}
     kept.sort(key=lambda b: (b.scope != "global", order.get(b.name, len(order))))
-    name = node.attrs["body"].name if node.kind == "fused" else f"{node.kind}_{node.outputs[0].name}"
+    name = node.attrs["body"].name if node.op_name == "fused" else f"{node.op_name}_{node.outputs[0].name}"
     program = Program(sanitize(name), (), tuple(kept), tuple(body))
-    kind = node.attrs["kind"] if node.kind == "fused" else node_class(node)
-    return LoweredKernel(program, inputs, outputs, kind, dict(builder.constants))
+    template = node.attrs["template"] if node.op_name == "fused" else node_class(node)
+    return LoweredKernel(program, inputs, outputs, template, dict(builder.constants))
 
 
 # ========================================================================= nest fusion

@@ -48,13 +48,13 @@ _HYPER = TensorType((), DType.float64)
 class GroupSpec:
     """The structure of one param group; hyperparameter values are supplied at run time.
 
-    ``kind`` is ``"sgd"`` or ``"adam"``; ``params`` are graph param names.  ``momentum``
+    ``optimizer`` is ``"sgd"`` or ``"adam"``; ``params`` are graph param names.  ``momentum``
     (SGD) says the group keeps momentum buffers (PyTorch skips them when momentum is 0).
     ``decoupled_weight_decay`` (Adam) selects AdamW's decay of the weights over Adam's L2
     term in the gradient.
     """
 
-    kind: str
+    optimizer: str
     params: tuple[str, ...]
     momentum: bool = False
     nesterov: bool = False
@@ -63,18 +63,18 @@ class GroupSpec:
     amsgrad: bool = False
 
     def __post_init__(self) -> None:
-        if self.kind not in ("sgd", "adam"):
-            raise KilnError(f"kiln: unknown optimizer kind {self.kind!r}; known: 'sgd', 'adam'")
+        if self.optimizer not in ("sgd", "adam"):
+            raise KilnError(f"kiln: unknown optimizer {self.optimizer!r}; known: 'sgd', 'adam'")
         if self.nesterov and not self.momentum:
             raise KilnError("kiln: SGD with nesterov=True needs momentum > 0 (as in torch.optim.SGD)")
 
     @property
     def hypers(self) -> tuple[str, ...]:
-        return SGD_HYPERS if self.kind == "sgd" else ADAM_HYPERS
+        return SGD_HYPERS if self.optimizer == "sgd" else ADAM_HYPERS
 
     @property
     def state_keys(self) -> tuple[str, ...]:
-        if self.kind == "sgd":
+        if self.optimizer == "sgd":
             return ("momentum_buffer",) if self.momentum else ()
         return ("step", "exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if self.amsgrad else ())
 
@@ -146,7 +146,7 @@ def append_optimizer(graph: Graph, groups: Sequence[GroupSpec], grads: Mapping[s
             grad = g.outputs[grads[pname]]
             state = {key: builder.input(f"{pname}.{key}", _state_type(param, key))
                      for key in group.state_keys}
-            if group.kind == "sgd":
+            if group.optimizer == "sgd":
                 flag = builder.input(f"{pname}.has_momentum_buffer", TensorType((), DType.bool)) \
                     if group.momentum else None
                 if flag is not None:

@@ -126,7 +126,7 @@ def splat_value(value: Value) -> Any | None:
     Works for graph constants and ``full`` nodes; the result is a numpy scalar of the
     value's dtype.  Empty constants have no splat value.
     """
-    if value.kind == "const":
+    if value.origin == "const":
         data = value.data
         if data.size == 0:
             return None
@@ -137,7 +137,7 @@ def splat_value(value: Value) -> Any | None:
             return first
         return None
     producer = value.producer
-    if producer is not None and producer.kind == "full":
+    if producer is not None and producer.op_name == "full":
         return value.dtype.numpy.type(producer.attrs["value"])
     return None
 
@@ -148,10 +148,10 @@ def constant_data(value: Value, max_elements: int | None = None) -> np.ndarray |
     A ``full`` with more than ``max_elements`` elements returns ``None`` rather than
     materializing it.
     """
-    if value.kind == "const":
+    if value.origin == "const":
         return value.data
     producer = value.producer
-    if producer is None or producer.kind != "full" or not value.type.is_static:
+    if producer is None or producer.op_name != "full" or not value.type.is_static:
         return None
     if max_elements is not None and value.type.numel > max_elements:
         return None
@@ -160,7 +160,7 @@ def constant_data(value: Value, max_elements: int | None = None) -> np.ndarray |
 
 def is_constant(value: Value) -> bool:
     """True for graph constants and results of ``full`` nodes."""
-    return value.kind == "const" or (value.producer is not None and value.producer.kind == "full")
+    return value.origin == "const" or (value.producer is not None and value.producer.op_name == "full")
 
 
 # -------------------------------------------------------------------------------- matching
@@ -220,7 +220,7 @@ class Match:
         """The node producing captured value ``name`` (it must be a node result)."""
         v = self[name]
         if v.producer is None:
-            raise KeyError(f"captured value %{v.name} ({name!r}) is a {v.kind}, not a node result")
+            raise KeyError(f"captured value %{v.name} ({name!r}) is a {v.origin}, not a node result")
         return v.producer
 
     def attrs(self, name: str) -> dict[str, Any]:
@@ -267,7 +267,7 @@ def _local_ok(pat: Pat, value: Value, uses: _UseCounter) -> bool:
         return False
     if pat.kinds is not None:
         node = value.producer
-        if node is None or node.kind not in pat.kinds:
+        if node is None or node.op_name not in pat.kinds:
             return False
         if pat.operands is not None and len(pat.operands) != len(node.inputs):
             return False
@@ -422,13 +422,13 @@ def _results(replacement: Value | Sequence[Value], root: Node, rw: Rewrite) -> t
     values = (replacement,) if isinstance(replacement, Value) else tuple(replacement)
     if len(values) != len(root.outputs):
         raise RewriteError(f"rewrite {rw.name!r} returned {len(values)} value(s) for "
-                           f"{root.kind} with {len(root.outputs)} result(s)")
+                           f"{root.op_name} with {len(root.outputs)} result(s)")
     for old, new in zip(root.outputs, values):
         if not isinstance(new, Value):
             raise RewriteError(f"rewrite {rw.name!r} returned {type(new).__name__}, not a Value")
         if old.type != new.type:
             raise RewriteError(
-                f"rewrite {rw.name!r} replaced {root.kind} result %{old.name}: {old.type} with "
+                f"rewrite {rw.name!r} replaced {root.op_name} result %{old.name}: {old.type} with "
                 f"%{new.name}: {new.type}; a rewrite must keep the exact result type "
                 f"(return None when the types differ)")
     return values
@@ -478,7 +478,7 @@ def apply_patterns(graph: Graph, rewrites: Sequence[Rewrite], max_rounds: int = 
         for node in list(g.nodes):
             if node not in g.nodes:  # removed by an earlier rewrite this round
                 continue
-            for rw in by_kind.get(node.kind, ()):
+            for rw in by_kind.get(node.op_name, ()):
                 if _try_rewrite(g, node, rw, uses):
                     fired = True
                     break

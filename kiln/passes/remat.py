@@ -48,8 +48,8 @@ def is_recomputable(node: Node, *, random: bool = False) -> bool:
     """Cheap and pure: the backward may recompute this node instead of saving its results.
     Random ops only with ``random=True`` (inside one joint graph, see the module docstring)."""
     if node.op.has("random"):
-        return random and node.kind == "dropout_mask"
-    return node.kind in COPY_OPS or bool(node.op.traits & RECOMPUTABLE_TRAITS)
+        return random and node.op_name == "dropout_mask"
+    return node.op_name in COPY_OPS or bool(node.op.traits & RECOMPUTABLE_TRAITS)
 
 
 def choose_recomputation(forward: Sequence[Node], backward: Sequence[Node],
@@ -65,7 +65,7 @@ def choose_recomputation(forward: Sequence[Node], backward: Sequence[Node],
 
     in_forward = set(forward)
     read = {v for n in backward for v in n.inputs} | set(grads)
-    needed = {v for v in read if v.kind == "result" and v.producer in in_forward}
+    needed = {v for v in read if v.origin == "result" and v.producer in in_forward}
     relevant = _ancestors_within({v.producer for v in needed}, in_forward)
     if not relevant:
         return set()
@@ -80,7 +80,7 @@ def choose_recomputation(forward: Sequence[Node], backward: Sequence[Node],
         else:
             flow.add_edge("source", node_in)  # no capacity attribute: infinite
         for v in node.inputs:
-            if v.kind == "result" and v.producer in relevant:
+            if v.origin == "result" and v.producer in relevant:
                 flow.add_edge(("out", v.producer), node_in)
         if any(v in needed for v in node.outputs):
             flow.add_edge(node_out, "sink")
@@ -96,7 +96,7 @@ def _ancestors_within(roots: set[Node], allowed: set[Node]) -> set[Node]:
         if node in found or node not in allowed:
             continue
         found.add(node)
-        stack.extend(v.producer for v in node.inputs if v.kind == "result")
+        stack.extend(v.producer for v in node.inputs if v.origin == "result")
     return found
 
 
@@ -111,7 +111,7 @@ def _required(needed: set[Value], recomputed: set[Node]) -> set[Node]:
             continue
         keep.add(node)
         stack.extend(v.producer for v in node.inputs
-                     if v.kind == "result" and v.producer in recomputed)
+                     if v.origin == "result" and v.producer in recomputed)
     return keep
 
 
@@ -137,7 +137,7 @@ def rematerialize(graph: Graph, *, loss: int = 0) -> tuple[Graph, int]:
                         "names none; give the index of the output the forward part computes")
     g = graph.clone()
     loss_value = g.outputs[loss]
-    roots = {loss_value.producer} if loss_value.kind == "result" else set()
+    roots = {loss_value.producer} if loss_value.origin == "result" else set()
     forward_set = _ancestors_within(roots, set(g.nodes))
     outputs = set(g.outputs)
     forward = [n for n in g.nodes if n in forward_set and not outputs.intersection(n.outputs)]
@@ -151,7 +151,7 @@ def rematerialize(graph: Graph, *, loss: int = 0) -> tuple[Graph, int]:
     for node in list(g.nodes):  # clones are appended to g.nodes; ``order`` is the final order
         if node not in forward_set:
             for value in node.inputs:
-                if value.kind == "result" and value.producer in recompute and value not in clones:
+                if value.origin == "result" and value.producer in recompute and value not in clones:
                     order += _clone_with_operands(g, value.producer, recompute, clones, taken)
             node.inputs = tuple(clones.get(v, v) for v in node.inputs)
         order.append(node)
@@ -172,7 +172,7 @@ def _clone_with_operands(graph: Graph, node: Node, recompute: set[Node], clones:
         if not operands_done:
             stack.append((current, True))
             stack.extend((v.producer, False) for v in current.inputs
-                         if v.kind == "result" and v.producer in recompute and v not in clones)
+                         if v.origin == "result" and v.producer in recompute and v not in clones)
             continue
         names = [_clone_name(v.name, taken) for v in current.outputs]
         copy = graph.add_node(current.op, [clones.get(v, v) for v in current.inputs], current.attrs,

@@ -106,9 +106,9 @@ def provably_nonnegative(v: Value) -> bool:
     node = v.producer
     if node is None:
         return False
-    if node.kind in _NONNEG_OPS:
+    if node.op_name in _NONNEG_OPS:
         return True
-    return node.kind == "mul" and node.inputs[0] is node.inputs[1]
+    return node.op_name == "mul" and node.inputs[0] is node.inputs[1]
 
 
 @rewrite(op("exp", op("log", any_value("x", dtype=FLOAT_DTYPES, where=provably_nonnegative))))

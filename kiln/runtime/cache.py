@@ -28,7 +28,7 @@ Counters (``COUNTERS``, process-wide, and ``cache.counters`` per instance): ``hi
 ``misses``, ``corrupt``, ``stores``.
 
 :class:`DocumentCache` keeps small JSON documents (e.g. captured graphs, see
-:mod:`kiln.compiler.capture_cache`) in the same folder, as ``<key>.<kind>.json``, with the
+:mod:`kiln.frontends.torch.capture_cache`) in the same folder, as ``<key>.<kind>.json``, with the
 same guarantees: atomic writes, a damaged or foreign document is a miss (``corrupt``) that
 the next store overwrites, and ``enabled=False`` never touches the folder.  Its counters are
 ``DOCUMENT_COUNTERS`` (process-wide) and ``documents.counters``.

@@ -14,7 +14,7 @@ Guarantees of :class:`CompiledModule`:
   Hugging Face ``ModelOutput`` objects come back as in eager mode.  When grad mode is on and
   an input or parameter requires grad, the module runs kiln's forward graph inside a
   ``torch.autograd.Function`` whose backward is kiln's generated backward graph
-  (:mod:`kiln.compiler.autograd`); otherwise it runs the inference graph.
+  (:mod:`kiln.frontends.torch.autograd`); otherwise it runs the inference graph.
 * Buffers a train-mode model updates (batch norm's ``running_mean``/``running_var``/
   ``num_batches_tracked``) are written in place into the live buffers after every call, as
   eager does: the captured graph returns their new values as trailing outputs named

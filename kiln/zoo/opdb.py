@@ -122,7 +122,7 @@ def _first_line(text: str, limit: int = 300) -> str:
 
 def _kiln_message(exc: BaseException) -> str:
     """The refusal text kept in the table: the reason, without the generic how-to-go-on."""
-    from kiln.compiler.errors import UnsupportedOpError
+    from kiln.frontends.errors import UnsupportedOpError
 
     if isinstance(exc, UnsupportedOpError):
         reason = exc.reason or "the op is not supported by kiln"

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import kiln
-from kiln.compiler.aten import ATEN_TABLE, AtenRule, aten
+from kiln.frontends.torch.aten import ATEN_TABLE, AtenRule, aten
 from kiln.zoo import opdb
 
 S, R = "supported", "refused"
@@ -56,19 +56,19 @@ SUBSET = {
     "nn.functional.selu": S, "nn.functional.silu": S, "nn.functional.layer_norm": S,
     "nn.functional.linear": S, "nn.functional.conv2d": S, "nn.functional.avg_pool2d": S,
     "nn.functional.normalize": S,
-    # random (kiln/compiler/aten_random.py): shapes and dtypes against eager
+    # random (kiln/frontends/torch/aten_random.py): shapes and dtypes against eager
     "randn": S, "randint": S, "bernoulli": S, "multinomial": S, "nn.functional.dropout2d": S,
     "nn.functional.rrelu": S, "empty_strided": S,
     # refused: data-dependent results, complex results, ops kiln does not have yet
     "equal": R, "allclose": R, "nn.functional.ctc_loss": R, "cfloat": R, "sort": R,
-    # statistics, segments, index writes, sampling (kiln/compiler/aten_statistics.py, aten_sampling.py)
+    # statistics, segments, index writes, sampling (kiln/frontends/torch/aten_statistics.py, aten_sampling.py)
     "histc": S, "mode": S, "nanmedian": S, "masked.median": S, "logcumsumexp": S,
     "index_reduce.amax": S, "put": S, "diagonal_scatter": S, "searchsorted": S, "mT": S,
     "nn.functional.pdist": S, "grid_sampler_2d": S, "_upsample_bilinear2d_aa": S,
     "nn.functional.embedding_bag": S, "_segment_reduce.lengths": R, "take": S, "nonzero_static": S,
     "histogramdd": S,
 }
-# Ops kiln lowers with rules of kiln/compiler/aten_math.py and ops of kiln/ir/ops/special.py
+# Ops kiln lowers with rules of kiln/frontends/torch/aten_math.py and ops of kiln/ir/ops/special.py
 # and linalg.py: forward on both backends, gradients (where torch has them) on reference.
 NEW_OPS = {"asin", "acosh", "asinh", "atanh", "sinh", "log10", "exp2", "lgamma", "digamma", "erfinv",
            "special.i1e", "signbit", "fmod", "remainder", "copysign", "fmax", "hypot", "ldexp",
@@ -76,7 +76,7 @@ NEW_OPS = {"asin", "acosh", "asinh", "atanh", "sinh", "log10", "exp2", "lgamma",
            "nn.functional.selu", "nn.functional.normalize", "special.erfcx", "special.bessel_j0",
            "special.chebyshev_polynomial_t", "special.zeta", "frexp", "angle", "linalg.inv",
            "linalg.det", "linalg.solve", "linalg.slogdet", "cdist", "igamma"}
-# factorizations and solvers (kiln/compiler/aten_linalg.py)
+# factorizations and solvers (kiln/frontends/torch/aten_linalg.py)
 NEW_OPS |= {"linalg.cholesky", "cholesky_solve", "linalg.solve_triangular", "linalg.svd", "linalg.eigh",
             "linalg.qr", "linalg.lu_factor", "linalg.lu_solve", "matrix_exp", "linalg.pinv",
             "linalg.householder_product", "linalg.tensorinv", "norm.nuc", "linalg.ldl_factor"}

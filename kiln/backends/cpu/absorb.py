@@ -64,23 +64,23 @@ def absorb_views(op: PlanOp) -> bool:
         for view in (chain[1] if chain else ()):
             current = body.add_node(view.op, [current], view.attrs).outputs[0]
         logical.append(current)
-    outputs, kind = _replay(node, body, logical, op.kernel_kind)
+    outputs, kind = _replay(node, body, logical, op.template)
     body.set_outputs(outputs)
     scratch = Graph("absorbed")
     operands_in = [scratch.add_input(v.name, v.type) for v in body.inputs]
-    op.node = scratch.add_node("fused", operands_in, {"kind": kind, "body": body})
+    op.node = scratch.add_node("fused", operands_in, {"template": kind, "body": body})
     op.inputs = [*op.inputs[:2], *sources[1:]] if gemm else list(sources)
     return True
 
 
 def _body_name(node: Node) -> str:
-    return node.attrs["body"].name if node.kind == "fused" else node.kind
+    return node.attrs["body"].name if node.op_name == "fused" else node.op_name
 
 
-def _replay(node: Node, body: Graph, logical: list[Value], kernel_kind: str) -> tuple[list[Value], str]:
+def _replay(node: Node, body: Graph, logical: list[Value], template: str) -> tuple[list[Value], str]:
     """Add ``node``'s computation to ``body`` on the ``logical`` operands; its outputs and kind."""
-    if node.kind != "fused":
-        return list(body.add_node(node.op, logical, node.attrs).outputs), kernel_kind
+    if node.op_name != "fused":
+        return list(body.add_node(node.op, logical, node.attrs).outputs), template
     inner: Graph = node.attrs["body"]
     mapped: dict[Value, Value] = dict(zip(inner.inputs, logical))
     for c in inner.constants:
@@ -88,7 +88,7 @@ def _replay(node: Node, body: Graph, logical: list[Value], kernel_kind: str) -> 
     for n in inner.nodes:
         new = body.add_node(n.op, [mapped[v] for v in n.inputs], n.attrs)
         mapped.update(zip(n.outputs, new.outputs))
-    return [mapped[v] for v in inner.outputs], node.attrs["kind"]
+    return [mapped[v] for v in inner.outputs], node.attrs["template"]
 
 
 
@@ -106,11 +106,11 @@ def permute_result(op: PlanOp, dims: list[int]) -> None:
         if pv.slot not in inputs:
             inputs[pv.slot] = body.add_input(f"a{len(inputs)}", value.type)
         logical.append(inputs[pv.slot])
-    outputs, kind = _replay(node, body, logical, op.kernel_kind)
+    outputs, kind = _replay(node, body, logical, op.template)
     body.set_outputs([body.add_node("permute", outputs, {"dims": list(dims)}).outputs[0]])
     scratch = Graph("permuted")
     operands = [scratch.add_input(v.name, v.type) for v in body.inputs]
-    op.node = scratch.add_node("fused", operands, {"kind": kind, "body": body})
+    op.node = scratch.add_node("fused", operands, {"template": kind, "body": body})
     op.inputs = list(dict.fromkeys(op.inputs))
 
 

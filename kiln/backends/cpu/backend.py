@@ -10,7 +10,7 @@ graph, run as a flat call plan.
    options, choices, compiler and kiln identity); on a miss lowers every generated kernel
    (:mod:`kiln.passes.lower`), schedules it (:mod:`.schedules`), prints all kernels into one
    translation unit (:mod:`.codegen`), compiles it once and stores it;
-4. loads the shared object with ctypes and binds a :class:`kiln.runtime.plan.CallPlan`.
+4. loads the shared object with ctypes and binds a :class:`kiln.runtime.call_plan.CallPlan`.
 
 Options (defaults in ``CpuBackend.option_defaults``):
 
@@ -43,7 +43,7 @@ from kiln.backends.base import Backend, BackendError
 from kiln.ir import Graph, Node
 from kiln.ir.printer import format_graph_name
 from kiln.runtime.cache import CompileCache, cache_key
-from kiln.runtime.plan import (
+from kiln.runtime.call_plan import (
     CallPlan,
     ContiguousStep,
     NativeRunStep,
@@ -62,7 +62,7 @@ from . import microgemm
 from .gemm import KILN_PROVIDER, PROVIDERS, GemmTuner, blas_providers, set_blas_threads
 from .graphplan import GraphPlan, PlanOp, build_graph_plan, lifetimes
 from .library import reference_call
-from .plan import MemoryPlan, plan_memory
+from kiln.backends.common.memory_plan import MemoryPlan, plan_memory
 from .select import SELECT_MODES, Choice, TimedSelector, generated_choice, rule_choice
 
 
@@ -262,7 +262,7 @@ def _kernel_source(symbol: str, op: PlanOp, *, threads: int, schedule: bool) -> 
     program, renamed = sanitize_program(lowered.program)
     trace: list = []
     if schedule:
-        scheduled = default_schedule(program, op.kernel_kind, threads=threads)
+        scheduled = default_schedule(program, op.template, threads=threads)
         program, trace = scheduled.program, scheduled.trace
     names = (*head, *dict.fromkeys(renamed[n] for n in lowered.inputs), *(renamed[n] for n in lowered.outputs))
     if len(names) != len(op.args):
@@ -316,7 +316,7 @@ def _bind_steps(gplan: GraphPlan, lib: Any, indexes: list[int | None]) -> list[S
 
     kernel_index = 0
     for op in gplan.ops:
-        if op.kind == "kernel":
+        if op.step == "kernel":
             index = indexes[kernel_index]
             kernel_index += 1
             if index is not None:
@@ -332,30 +332,30 @@ def _bind_steps(gplan: GraphPlan, lib: Any, indexes: list[int | None]) -> list[S
         flush()
         ins = tuple(pv.slot for pv in op.inputs)
         outs = tuple(pv.slot for pv in op.outputs)
-        if op.kind == "library":
+        if op.step == "library":
             assert op.call is not None
             steps.append(TorchStep(op.call.function, ins, outs, op.call.writes_into, op.label))
-        elif op.kind == "view":
+        elif op.step == "view":
             assert op.view is not None
             steps.append(ViewStep(op.view, ins[0], outs[0], op.label))
-        elif op.kind == "copy":
+        elif op.step == "copy":
             steps.append(TorchStep(_copy_into, ins, outs, True, op.label))
-        elif op.kind == "contiguous":
+        elif op.step == "contiguous":
             if steps and isinstance(steps[-1], ContiguousStep):
                 steps[-1] = ContiguousStep(steps[-1].slots + ins)
             else:
                 steps.append(ContiguousStep(ins))
-        elif op.kind == "pack":
+        elif op.step == "pack":
             source = op.inputs[0]
             view = (tuple(source.meta.shape), tuple(source.meta.stride()), source.meta.storage_offset())
             steps.append(PackStep(source.root().slot, view, outs[0], op.label,
                                   panels=op.outputs[0].type.shape != source.type.shape))
-        elif op.kind == "clone":
+        elif op.step == "clone":
             steps.append(TorchStep(torch.clone, ins, outs, False, op.label))
-        elif op.kind == "release":
+        elif op.step == "release":
             steps.append(ReleaseStep(ins))
         else:
-            raise BackendError(f"kiln bug: unknown plan operation {op.kind!r}")
+            raise BackendError(f"kiln bug: unknown plan operation {op.step!r}")
     flush()
     return steps
 
@@ -415,7 +415,7 @@ def _info(gplan: GraphPlan, memory: MemoryPlan, symbols: list[str | None], fallb
           hit: bool, key: str, entry: Any, build_s: float) -> dict[str, Any]:
     return {
         "kernels": sum(s is not None for s in symbols),
-        "library_calls": sum(op.kind == "library" for op in gplan.ops),
+        "library_calls": sum(op.step == "library" for op in gplan.ops),
         "fallbacks": dict(fallbacks),
         "choices": dict(gplan.choices),
         "memory": memory.report(),

@@ -27,7 +27,7 @@ receives the raw data pointers of its buffers in a fixed order.  What the printe
 * A kernel may start with a GEMM (:mod:`.gemm`) whose result its loops read (the fused
   epilogue of a matmul).
 * ``kiln_run(calls, n, ptrs)`` runs a sequence of the unit's kernels from a table in one
-  foreign call (:class:`kiln.runtime.plan.NativeRunStep`).
+  foreign call (:class:`kiln.runtime.call_plan.NativeRunStep`).
 """
 
 from __future__ import annotations
@@ -275,7 +275,7 @@ class KernelPrinter(_CPrinter):
             pass  # an inner loop of a collapse(n) region: OpenMP allows no pragma between them
         elif pragma is not None:
             self.lines.append(f"{ind}{pragma}")
-        elif ann.kind == "parallel" and not self._in_parallel:
+        elif ann.mode == "parallel" and not self._in_parallel:
             depth = self._collapse_depth(n)
             clause = f" collapse({depth})" if depth > 1 else ""
             self.lines.append(f"{ind}#pragma omp parallel for schedule(static){clause}")
@@ -285,10 +285,10 @@ class KernelPrinter(_CPrinter):
                 cur = cur.body[0]
                 inner.add(cur.iterator)
             self._collapsed = collapsed | inner
-        elif ann.kind == "vectorized" or (ann.kind == "parallel" and self._is_innermost(n)):
+        elif ann.mode == "vectorized" or (ann.mode == "parallel" and self._is_innermost(n)):
             reduction = self._simd_reduction_clause(n)
             self.lines.append(f"{ind}#pragma omp simd{reduction}")
-        elif ann.kind == "unrolled":
+        elif ann.mode == "unrolled":
             self.lines.append(f"{ind}#pragma GCC unroll {ann.factor}")
         elif self._accs and self._is_innermost(n):
             self.lines.append(f"{ind}#pragma omp simd{self._simd_reduction_clause(n)}")
@@ -305,7 +305,7 @@ class KernelPrinter(_CPrinter):
 
     def _collapse_depth(self, n: Loop) -> int:
         depth, outer, cur = 1, {n.iterator}, n
-        while (len(cur.body) == 1 and isinstance(cur.body[0], Loop) and cur.body[0].annotation.kind == "parallel"
+        while (len(cur.body) == 1 and isinstance(cur.body[0], Loop) and cur.body[0].annotation.mode == "parallel"
                and not ((free_vars(cur.body[0].lower) | free_vars(cur.body[0].upper)) & outer)
                and cur.body[0].step == 1):
             cur = cur.body[0]
@@ -344,11 +344,11 @@ class KernelPrinter(_CPrinter):
         work = nest_work((n,))
         bools = any(self.buf_dtypes[b] == DType.bool for b, _, _ in cells)
         if not self._in_parallel and not bools and work is not None and work >= PARALLEL_REDUCTION_WORK \
-                and n.annotation.kind in ("serial", "parallel"):
+                and n.annotation.mode in ("serial", "parallel"):
             clause = self._simd_reduction_clause(n)
             pragma = f"#pragma omp parallel for schedule(static){clause}"
             self._in_parallel = True
-            self._plain_loop(replace(n, annotation=replace(n.annotation, kind="serial")), inner, pragma)
+            self._plain_loop(replace(n, annotation=replace(n.annotation, mode="serial")), inner, pragma)
             self._in_parallel = False
         else:
             self._plain_loop(n, inner)

@@ -109,7 +109,7 @@ class GemmSpec:
     provider: str = "mkl"
     packed_b: bool = False
     """B is read from a contiguous copy of the (transposed) weight that the runtime keeps
-    up to date (:class:`kiln.runtime.plan.PackStep`)."""
+    up to date (:class:`kiln.runtime.call_plan.PackStep`)."""
 
     @property
     def flops(self) -> int:

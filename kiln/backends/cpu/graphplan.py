@@ -44,7 +44,7 @@ from .absorb import absorb_views, permute_result
 from .gemm import KILN_PROVIDER, GemmSpec, gemm_spec
 from .library import VIEWS, LibraryCall, library_call, reference_call
 from .microgemm import packed_shape
-from .plan import BufferRequest
+from kiln.backends.common.memory_plan import BufferRequest
 from .select import Choice, anchor_of
 
 
@@ -85,12 +85,12 @@ class PlanOp:
     pointers the native function receives, in order; ``temps`` are buffers it uses only
     inside (a GEMM result read by the epilogue)."""
 
-    kind: str
+    step: str
     inputs: list[PlanValue]
     outputs: list[PlanValue]
     label: str
     node: Node | None = None
-    kernel_kind: str = ""
+    template: str = ""
     call: LibraryCall | None = None
     view: Callable[[torch.Tensor], torch.Tensor] | None = None
     gemm: GemmSpec | None = None
@@ -123,7 +123,7 @@ class GraphPlan:
 
     @property
     def kernels(self) -> list[PlanOp]:
-        return [op for op in self.ops if op.kind == "kernel"]
+        return [op for op in self.ops if op.step == "kernel"]
 
 
 class _Builder:
@@ -151,7 +151,7 @@ class _Builder:
 
     # ----------------------------------------------------------------- nodes
     def node(self, node: Node, choice: Choice) -> None:
-        label = f"%{', %'.join(v.name for v in node.outputs)} = {node.kind}"
+        label = f"%{', %'.join(v.name for v in node.outputs)} = {node.op_name}"
         ins = [self.of[v] for v in node.inputs]
         impl = choice.impl
         if impl == "view":
@@ -160,7 +160,7 @@ class _Builder:
             result = node.op.reference(**node.attrs)
             tensor = from_numpy(_as_array(result, node.outputs[0].type))
             self.of[node.outputs[0]] = self.new(node.outputs[0].type, node.outputs[0].name, "const", const=tensor)
-        elif impl == "library" and node.kind == "matmul" and self.gemm(node, ins, label):
+        elif impl == "library" and node.op_name == "matmul" and self.gemm(node, ins, label):
             pass
         elif impl == "library":
             self.library(library_call(node, self.persistent(ins)), ins, list(node.outputs), label)
@@ -171,13 +171,13 @@ class _Builder:
         elif impl == "generated":
             outs = [self.new(v.type, v.name, "buffer") for v in node.outputs]
             self.of.update(zip(node.outputs, outs))
-            kind = node.attrs["kind"] if node.kind == "fused" else _kernel_kind(node)
-            self.ops.append(PlanOp("kernel", ins, outs, label, node=node, kernel_kind=kind))
+            template = node.attrs["template"] if node.op_name == "fused" else _kernel_template(node)
+            self.ops.append(PlanOp("kernel", ins, outs, label, node=node, template=template))
         else:
             raise ValueError(f"unknown implementation {impl!r} for node {label}")
 
     def view(self, node: Node, source: PlanValue, label: str) -> None:
-        fn = VIEWS[node.kind](node)
+        fn = VIEWS[node.op_name](node)
         meta = fn(source.meta)
         out = node.outputs[0]
         if meta._is_view():
@@ -218,7 +218,7 @@ class _Builder:
     def _gemm_spec(self, anchor: Node, a: PlanValue, b: PlanValue) -> tuple[GemmSpec, PlanValue] | None:
         """The GEMM of ``anchor`` and the value its kernel reads as B (a packed copy of a
         transposed weight when the tuner chose one), or ``None``."""
-        if self.gemm_provider is None or anchor.kind != "matmul":
+        if self.gemm_provider is None or anchor.op_name != "matmul":
             return None
         spec = gemm_spec(a.meta, b.meta, anchor.outputs[0].dtype)
         if spec is None:
@@ -244,7 +244,7 @@ class _Builder:
         spec, b = found
         out = self.new(node.outputs[0].type, node.outputs[0].name, "buffer")
         self.of[node.outputs[0]] = out
-        self.ops.append(PlanOp("kernel", [ins[0], b], [out], f"{label} [gemm]", kernel_kind="matmul", gemm=spec))
+        self.ops.append(PlanOp("kernel", [ins[0], b], [out], f"{label} [gemm]", template="matmul", gemm=spec))
         return True
 
     def library_epilogue(self, node: Node, ins: list[PlanValue], label: str) -> None:
@@ -254,7 +254,7 @@ class _Builder:
         operand = dict(zip(body.inputs, ins))
         result = anchor.outputs[0]
         anchor_ins = [operand[v] for v in anchor.inputs]
-        found = self._gemm_spec(anchor, *anchor_ins[:2]) if anchor.kind == "matmul" else None
+        found = self._gemm_spec(anchor, *anchor_ins[:2]) if anchor.op_name == "matmul" else None
         spec = None
         if found is not None:
             spec, anchor_ins[1] = found
@@ -264,7 +264,7 @@ class _Builder:
             anchor_pv = self.new(result.type, result.name, "buffer")
         else:
             anchor_pv = self.library(library_call(anchor, self.persistent(anchor_ins)), anchor_ins, [result],
-                                     f"%{result.name} = {anchor.kind}")[0]
+                                     f"%{result.name} = {anchor.op_name}")[0]
         outs: list[PlanValue] = []
         for graph_out, body_out in zip(node.outputs, body.outputs):
             if body_out is result:
@@ -277,16 +277,16 @@ class _Builder:
         if epilogue is not None:
             scratch = Graph("epilogue")
             operands = [scratch.add_input(v.name, v.type) for v in epilogue.inputs]
-            synthetic = scratch.add_node("fused", operands, {"kind": "elementwise", "body": epilogue})
+            synthetic = scratch.add_node("fused", operands, {"template": "elementwise", "body": epilogue})
         if spec is not None:
             op_outs = ([anchor_pv] if escapes else []) + outs
             temps = [] if escapes else [anchor_pv]
             epi_ins = [operand[v] for v in used]
             self.ops.append(PlanOp("kernel", [*anchor_ins[:2], *epi_ins], op_outs, f"{label} [gemm+epilogue]",
-                                   node=synthetic, kernel_kind="elementwise", gemm=spec, temps=temps))
+                                   node=synthetic, template="elementwise", gemm=spec, temps=temps))
         elif synthetic is not None:
             self.ops.append(PlanOp("kernel", [anchor_pv] + [operand[v] for v in used], outs, f"{label} epilogue",
-                                   node=synthetic, kernel_kind="elementwise"))
+                                   node=synthetic, template="elementwise"))
 
     # ----------------------------------------------------------------- layouts
     def channels_last_kernels(self) -> None:
@@ -294,7 +294,7 @@ class _Builder:
         every reader is a channels-last convolution or another kernel is written NHWC
         (:func:`.absorb.permute_result`); readers see the NCHW value as a view, which kernels
         absorb and convolutions take as it is.  No layout round trips between layers."""
-        if not any(op.kind == "library" and op.call.channels_last for op in self.ops):
+        if not any(op.step == "library" and op.call.channels_last for op in self.ops):
             return
         escaping = {self.of[v].root().slot for v in self.graph.outputs}
         readers: dict[int, list[PlanOp]] = {}
@@ -303,14 +303,14 @@ class _Builder:
                 readers.setdefault(pv.root().slot, []).append(op)
         for index in range(len(self.ops) - 1, -1, -1):
             op = self.ops[index]
-            if op.kind != "kernel" or op.node is None or op.gemm is not None or len(op.outputs) != 1:
+            if op.step != "kernel" or op.node is None or op.gemm is not None or len(op.outputs) != 1:
                 continue
             out = op.outputs[0]
             if out.type.rank != 4 or out.slot in escaping or not readers.get(out.slot):
                 continue
             # A GEMM kernel's operand layout is fixed in its spec when it is planned, so its
             # operands must keep the layout they had then.
-            if not all((r.kind == "kernel" and r.gemm is None) or (r.kind == "library" and r.call.channels_last)
+            if not all((r.step == "kernel" and r.gemm is None) or (r.step == "library" and r.call.channels_last)
                        for r in readers[out.slot]):
                 continue
             self.ops[index + 1:index + 1] = [self._to_channels_last(op, out)]
@@ -335,9 +335,9 @@ class _Builder:
         copies: dict[int, PlanValue] = {}
         roots_read: set[int] = set()
         for op in self.ops:
-            if op.kind == "pack":  # reads its weight through the root's predicted layout
+            if op.step == "pack":  # reads its weight through the root's predicted layout
                 roots_read.add(op.inputs[0].root().slot)
-            if op.kind == "kernel":
+            if op.step == "kernel":
                 absorb_views(op)
                 fixed = []
                 for i, pv in enumerate(op.inputs):
@@ -364,7 +364,7 @@ class _Builder:
                 self.ops.append(PlanOp("contiguous", [pv], [pv], f"contiguous argument %{pv.name}"))
         for op in ops:
             self.ops.append(op)
-            if op.kind in ("library", "view"):
+            if op.step in ("library", "view"):
                 for pv in op.outputs:
                     if pv.origin == "returned" and pv.slot in roots_read:
                         self.ops.append(PlanOp("contiguous", [pv], [pv], f"contiguous %{pv.name}"))
@@ -388,12 +388,12 @@ class _Builder:
         weight packing, which reads through the root) needs."""
         needed = {pv.slot for pv in outputs}
         for op in self.ops:
-            if op.kind not in ("kernel", "view", "pack"):
+            if op.step not in ("kernel", "view", "pack"):
                 needed.update(pv.slot for pv in op.inputs)
         for op in reversed(self.ops):
-            if op.kind == "view" and (op.outputs[0].slot in needed or op.outputs[0].origin == "returned"):
+            if op.step == "view" and (op.outputs[0].slot in needed or op.outputs[0].origin == "returned"):
                 needed.add(op.inputs[0].slot)
-        self.ops = [op for op in self.ops if op.kind != "view" or op.outputs[0].slot in needed
+        self.ops = [op for op in self.ops if op.step != "view" or op.outputs[0].slot in needed
                     or op.outputs[0].origin == "returned"]
 
     def releases(self, outputs: list[PlanValue]) -> None:
@@ -418,7 +418,7 @@ class _Builder:
         self.ops = ops
 
 
-def _kernel_kind(node: Node) -> str:
+def _kernel_template(node: Node) -> str:
     for trait, kind in (("matmul", "matmul"), ("conv", "conv"), ("reduction", "reduction"),
                         ("normalization", "reduction"), ("elementwise", "elementwise"),
                         ("pointwise", "elementwise")):
@@ -473,7 +473,7 @@ def build_graph_plan(graph: Graph, choose: Callable[[Node], Choice], *,
     choices = {}
     for node in graph.nodes:
         choice = choose(node)
-        choices[", ".join(f"%{v.name}" for v in node.outputs) + f" = {node.kind}"] = choice.impl
+        choices[", ".join(f"%{v.name}" for v in node.outputs) + f" = {node.op_name}"] = choice.impl
         b.node(node, choice)
     b.channels_last_kernels()
     b.contiguous_inputs()

@@ -1,11 +1,10 @@
 """Library implementations of the cpu backend: ATen kernels on zero-copy tensors.
 
-An op declares that a library implementation exists in its registry declaration
-(``impls={"generated": True, "library": "<name>"}``); ``<name>`` is a key of
-:data:`LIBRARY` here.  Each entry turns a graph node into a :class:`LibraryCall`:
+:data:`LIBRARY` is keyed by op name: the ops this backend can run as a library call (an op's
+declaration never names a backend).  Each entry turns a graph node into a :class:`LibraryCall`:
 
 ===============================  ==================================================  ===========
-name                             call                                                writes into
+op                               call                                                writes into
 ===============================  ==================================================  ===========
 ``matmul``                       ``torch.matmul(a, b, out=o)`` (MKL GEMM; transposed   yes
                                  operands are read in place, no copy)
@@ -188,22 +187,23 @@ LIBRARY: dict[str, Callable[[Node, Sequence[bool]], LibraryCall]] = {
     "index_put": _index_put,
     "scatter_add": _scatter_add,
 }
-"""Library implementation name -> builder of the call for a node, given which operands
+"""Op name -> builder of the library call for a node of that op, given which operands
 are persistent (see :func:`library_call`)."""
 
 
 def library_name(node: Node) -> str | None:
-    """The library implementation ``node``'s op declares and this backend has, or ``None``."""
-    name = node.op.impls.get("library") if node.op.impls else None
+    """The key of ``node``'s library call in :data:`LIBRARY` (its op name), or ``None`` when
+    this backend has none for the node."""
+    name = node.op_name
     if name not in LIBRARY:
         return None
-    if node.kind in ("conv", "conv_transpose") and len(node.attrs["stride"]) not in _CONV:
+    if node.op_name in ("conv", "conv_transpose") and len(node.attrs["stride"]) not in _CONV:
         return None
-    if node.kind == "embedding" and node.outputs[0].type.rank < 1:
+    if node.op_name == "embedding" and node.outputs[0].type.rank < 1:
         return None
-    if node.kind == "index_put" and any(v.dtype == DType.bool for v in node.inputs[2:]):
+    if node.op_name == "index_put" and any(v.dtype == DType.bool for v in node.inputs[2:]):
         return None  # bool masks: the reference (kiln's mask semantics span several axes)
-    if node.kind == "scatter_add" and node.inputs[0].type.rank == 0:
+    if node.op_name == "scatter_add" and node.inputs[0].type.rank == 0:
         return None
     return name
 
@@ -214,7 +214,7 @@ def library_call(node: Node, persistent: Sequence[bool] = ()) -> LibraryCall:
     call may keep a prepared copy of it between calls; other operands are new each call."""
     name = library_name(node)
     if name is None:
-        raise KeyError(f"op '{node.kind}' has no library implementation in the cpu backend")
+        raise KeyError(f"op '{node.op_name}' has no library implementation in the cpu backend")
     return LIBRARY[name](node, persistent)
 
 
@@ -259,7 +259,7 @@ def reference_call(node: Node) -> LibraryCall:
     results are converted to the node's result dtypes.  Slow, but runs every op."""
     reference = node.op.reference
     if reference is None:
-        raise KeyError(f"op '{node.kind}' has no reference implementation")
+        raise KeyError(f"op '{node.op_name}' has no reference implementation")
     attrs = dict(node.attrs)
     dtypes = [v.dtype.numpy for v in node.outputs]
     shapes = [tuple(v.shape) for v in node.outputs]
@@ -270,7 +270,7 @@ def reference_call(node: Node) -> LibraryCall:
         out = tuple(from_numpy(np.ascontiguousarray(np.asarray(r).astype(dt, copy=False)).reshape(shape))
                     for r, dt, shape in zip(results, dtypes, shapes))
         return out[0] if len(out) == 1 else out
-    return LibraryCall(run_reference, False, f"reference:{node.kind}")
+    return LibraryCall(run_reference, False, f"reference:{node.op_name}")
 
 
 __all__ = ["LIBRARY", "VIEWS", "LibraryCall", "library_call", "library_name", "reference_call"]

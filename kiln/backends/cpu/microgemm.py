@@ -6,7 +6,7 @@
 * **B in panels.**  B is stored as ``ceil(N/16)`` panels of 16 columns, each ``K x 16``
   contiguous (:func:`pack_panels`; the last panel is zero-padded).  Weights are packed once,
   when the plan first runs, and again only when the parameter changes
-  (:class:`kiln.runtime.plan.PackStep` with ``panels``); other right operands are packed at
+  (:class:`kiln.runtime.call_plan.PackStep` with ``panels``); other right operands are packed at
   every call into a scratch buffer (a cost of ``K*N`` copies beside ``M*K*N`` multiply-adds).
 * **A in micro-panels.**  Per ``KC x MC`` block, A is copied into 6-row micro-panels whose
   6 values for one ``k`` are adjacent, so the micro-kernel broadcasts from one stream.
@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 from kiln.runtime.cache import CompileCache, cache_key
-from kiln.runtime.plan import write_panels
+from kiln.runtime.call_plan import write_panels
 
 from . import toolchain
 

@@ -1,9 +1,9 @@
 """Choosing an implementation for every node: a view, a folded constant, a library call, a
 generated kernel, a library call with a generated epilogue, or the reference.
 
-Implementations an op has are declared in its registry entry: ``impls={"generated": True,
-"library": "<name>"}`` (see :mod:`kiln.backends.cpu.library`); an op whose declaration says
-nothing has a generated implementation when it has a compute definition.  The rule
+A node has a library implementation when the backend's library table has its op
+(:data:`kiln.backends.cpu.library.LIBRARY`, keyed by op name), and a generated one when its op
+has a compute definition.  The rule
 (``select="rule"``, the default):
 
 =====================================  ===============================================
@@ -57,26 +57,26 @@ def anchor_of(body: Graph) -> Node | None:
     """The single matmul/conv node of a fused body whose operands are all body inputs (no
     prologue), else ``None``.  Every other node of the body forms the epilogue."""
     anchors = [n for n in body.nodes if n.op.has("matmul") or n.op.has("conv")]
-    if len(anchors) != 1 or any(v.kind != "input" for v in anchors[0].inputs):
+    if len(anchors) != 1 or any(v.origin != "input" for v in anchors[0].inputs):
         return None
     return anchors[0]
 
 
 def available(node: Node) -> tuple[str, ...]:
     """The implementations ``node`` may use, best-first by the rule."""
-    if node.op.has("view") and node.kind in VIEWS:
+    if node.op.has("view") and node.op_name in VIEWS:
         return ("view",)
     if node.op.has("creation") and not node.inputs:
         return ("fold",)
-    if node.kind == "fused":
-        anchor = anchor_of(node.attrs["body"]) if node.attrs["kind"] in ("matmul", "conv") else None
+    if node.op_name == "fused":
+        anchor = anchor_of(node.attrs["body"]) if node.attrs["template"] in ("matmul", "conv") else None
         if anchor is not None and library_name(anchor) is not None:
             return ("library+epilogue", "generated", "reference")
         return ("generated", "reference")
     impls: tuple[str, ...] = ()
     if library_name(node) is not None:
         impls += ("library",)
-    if node.op.compute is not None or (node.op.impls or {}).get("generated"):
+    if node.op.compute is not None:
         impls += ("generated",)
     return impls + ("reference",)
 
@@ -105,7 +105,7 @@ def signature(node: Node) -> str:
     """A text naming the node's computation: op, attributes and operand types."""
     attrs = {k: (str(v) if isinstance(v, Graph) else v) for k, v in node.attrs.items()}
     types = ",".join(str(v.type) for v in node.inputs)
-    return f"{node.kind}({types}) {json.dumps(attrs, sort_keys=True, default=str)}"
+    return f"{node.op_name}({types}) {json.dumps(attrs, sort_keys=True, default=str)}"
 
 
 class TimedSelector:

@@ -102,11 +102,11 @@ class _CPrinter:
 
     def loop(self, n: Loop, ind: str) -> None:
         ann = n.annotation
-        if ann.kind in _PRAGMAS:
-            self.lines.append(f"{ind}{_PRAGMAS[ann.kind]}")
-        elif ann.kind == "unrolled":
+        if ann.mode in _PRAGMAS:
+            self.lines.append(f"{ind}{_PRAGMAS[ann.mode]}")
+        elif ann.mode == "unrolled":
             self.lines.append(f"{ind}#pragma GCC unroll {ann.factor}")
-        elif ann.kind == "mapped":
+        elif ann.mode == "mapped":
             self.lines.append(f"{ind}/* mapped to {ann.axis} */")
         it = n.iterator
         self.var_dtypes[it] = INDEX

@@ -66,22 +66,22 @@ class Annotation:
     """How a loop runs: ``serial``, ``parallel``, ``vectorized``, ``unrolled`` (with a factor)
     or ``mapped`` (to a hardware axis such as ``"threadIdx.x"``)."""
 
-    kind: str = "serial"
+    mode: str = "serial"
     factor: int | None = None
     axis: str | None = None
 
     def __post_init__(self) -> None:
-        if self.kind not in ANNOTATIONS:
-            raise ValueError(f"unknown loop annotation {self.kind!r}; known: {', '.join(ANNOTATIONS)}")
-        if self.kind == "unrolled" and (self.factor is None or self.factor < 1):
+        if self.mode not in ANNOTATIONS:
+            raise ValueError(f"unknown loop annotation {self.mode!r}; known: {', '.join(ANNOTATIONS)}")
+        if self.mode == "unrolled" and (self.factor is None or self.factor < 1):
             raise ValueError(f"an unrolled loop needs a factor >= 1, got {self.factor}")
-        if self.kind == "mapped" and not self.axis:
+        if self.mode == "mapped" and not self.axis:
             raise ValueError("a mapped loop needs an axis name")
 
     @property
     def is_parallel(self) -> bool:
         """Whether iterations may run concurrently (what the legality check must prove)."""
-        return self.kind in ("parallel", "vectorized", "mapped")
+        return self.mode in ("parallel", "vectorized", "mapped")
 
 
 SERIAL = Annotation()

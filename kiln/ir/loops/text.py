@@ -96,13 +96,13 @@ def format_expr(e: Expr) -> str:
 
 
 def format_annotation(a: Annotation) -> str:
-    if a.kind == "serial":
+    if a.mode == "serial":
         return ""
-    if a.kind == "unrolled":
+    if a.mode == "unrolled":
         return f" @unrolled({a.factor})"
-    if a.kind == "mapped":
+    if a.mode == "mapped":
         return f' @mapped("{a.axis}")'
-    return f" @{a.kind}"
+    return f" @{a.mode}"
 
 
 _REDUCE_OPS = {"+": "+=", "*": "*=", "max": "max=", "min": "min="}

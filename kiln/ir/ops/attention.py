@@ -57,8 +57,7 @@ def _sdpa_infer(types, *, is_causal=False, scale=None):
 
 
 @defop("scaled_dot_product_attention", infer=_sdpa_infer, num_inputs=(3, 4),
-       traits=("composite",), amp="low",
-       impls={"generated": True, "library": "scaled_dot_product_attention"}, attrs={
+       traits=("composite",), amp="low", attrs={
            "is_causal": Attr("bool", False), "scale": Attr("float", None, optional=True)})
 def scaled_dot_product_attention(q, k, v, mask=None, *, is_causal=False, scale=None):
     """``softmax(q @ k^T * scale + mask) @ v``; rows with every key masked out give 0."""

@@ -67,8 +67,7 @@ def _conv_infer(types, *, stride, padding, dilation, groups=1):
     return TensorType((x.shape[0], cout, *out), dtype)
 
 
-@defop("conv", infer=_conv_infer, num_inputs=(2, 3), traits=("conv",), amp="low",
-       impls={"generated": True, "library": "conv"}, attrs={
+@defop("conv", infer=_conv_infer, num_inputs=(2, 3), traits=("conv",), amp="low", attrs={
     "stride": Attr("ints"), "padding": Attr("ints"), "dilation": Attr("ints"),
     "groups": Attr("int", 1)})
 def conv(x, w, bias=None, *, stride, padding, dilation, groups=1):
@@ -170,8 +169,7 @@ def _conv_transpose_infer(types, *, stride, padding, dilation, groups=1, output_
     return TensorType((x.shape[0], cout, *out), dtype)
 
 
-@defop("conv_transpose", infer=_conv_transpose_infer, num_inputs=(2, 3), traits=("conv",), amp="low",
-       impls={"generated": True, "library": "conv_transpose"}, attrs={
+@defop("conv_transpose", infer=_conv_transpose_infer, num_inputs=(2, 3), traits=("conv",), amp="low", attrs={
     "stride": Attr("ints"), "padding": Attr("ints"), "dilation": Attr("ints"),
     "groups": Attr("int", 1), "output_padding": Attr("ints", ())})
 def conv_transpose(x, w, bias=None, *, stride, padding, dilation, groups=1, output_padding=()):

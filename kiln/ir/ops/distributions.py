@@ -13,7 +13,7 @@ numpy reference and generated code give the same bits.
 The normal, exponential, Cauchy, log-normal and geometric distributions, Bernoulli draws,
 random integers, multinomial sampling, randomized leaky ReLU and channel/alpha dropout are
 transformations of these uniforms by ordinary ops, emitted by the ATen rules of
-:mod:`kiln.compiler.aten_random`.  The op carries the ``random`` trait (CSE never merges two
+:mod:`kiln.frontends.torch.aten_random`.  The op carries the ``random`` trait (CSE never merges two
 of them, fusion keeps them out of kernels, constant folding and DCE leave them alone) and is
 not differentiable.
 """

@@ -23,8 +23,7 @@ def _embedding_infer(types, **_):
 
 
 @defop("embedding", infer=_embedding_infer, num_inputs=2,
-       attrs={"padding_idx": Attr("int", -1), "scale_grad_by_freq": Attr("bool", False)},
-       impls={"generated": True, "library": "embedding"})
+       attrs={"padding_idx": Attr("int", -1), "scale_grad_by_freq": Attr("bool", False)})
 def embedding(weight, indices, *, padding_idx=-1, scale_grad_by_freq=False):
     """Rows of ``weight`` picked by ``indices`` (any rank, each in ``[0, num_embeddings)``).
 

@@ -1,13 +1,13 @@
 """Ops that exist only after graph passes: fused kernels and composite-only ops.
 
-``fused(*operands) {kind, body}`` is one kernel.  ``body`` is a graph with inputs only (no
+``fused(*operands) {template, body}`` is one kernel.  ``body`` is a graph with inputs only (no
 params; constants and creation ops allowed inside) whose inputs take the operands in order
-and whose outputs are the node's results.  ``kind`` names the kernel template a backend
+and whose outputs are the node's results.  ``template`` names the kernel template a backend
 should use: ``elementwise``, ``reduction``, ``matmul``, ``conv`` or ``opaque``.  The
 ``fuse`` pass (:mod:`kiln.passes.fusion`) builds these nodes; the text form prints the body
 inline::
 
-    %3: f32[2, 8] = fused(%x, %w, %b) {kind="matmul", body=graph @matmul_0(%x: f32[2, 4], ...) {
+    %3: f32[2, 8] = fused(%x, %w, %b) {template="matmul", body=graph @matmul_0(%x: f32[2, 4], ...) {
         %1: f32[2, 8] = matmul(%x, %w)
         %3: f32[2, 8] = add(%1, %b)
         return %3
@@ -40,13 +40,13 @@ from .compute import (
 )
 from .vjp import defvjp, unbroadcast
 
-FUSED_KINDS = ("elementwise", "reduction", "matmul", "conv", "opaque")
+FUSED_TEMPLATES = ("elementwise", "reduction", "matmul", "conv", "opaque")
 """Kernel templates a ``fused`` node may ask for."""
 
 
-def _fused_infer(types: Sequence[TensorType], *, kind: str, body: Graph) -> tuple[TensorType, ...]:
-    if kind not in FUSED_KINDS:
-        raise ValueError(f"kind {kind!r} is not one of {', '.join(FUSED_KINDS)}")
+def _fused_infer(types: Sequence[TensorType], *, template: str, body: Graph) -> tuple[TensorType, ...]:
+    if template not in FUSED_TEMPLATES:
+        raise ValueError(f"template {template!r} is not one of {', '.join(FUSED_TEMPLATES)}")
     if body.params:
         names = ", ".join(f"%{p.name}" for p in body.params)
         raise ValueError(f"body @{body.name} has params ({names}); pass them as operands instead")
@@ -92,10 +92,10 @@ def _as_type(array: np.ndarray, type: TensorType, oracle: bool) -> np.ndarray:
 @defop(
     "fused",
     infer=_fused_infer,
-    attrs={"kind": Attr("str"), "body": Attr("graph")},
+    attrs={"template": Attr("str"), "body": Attr("graph")},
     num_inputs=(0, None),
 )
-def fused(*arrays: np.ndarray, kind: str, body: Graph) -> Any:
+def fused(*arrays: np.ndarray, template: str, body: Graph) -> Any:
     """Run the kernel's body graph on the operands; one array per body output."""
     results = run_body(body, arrays)
     return results[0] if len(results) == 1 else tuple(results)
@@ -124,7 +124,7 @@ def _silu_mul_vjp(builder, inputs, outputs, cotangents, attrs):
 
 # --------------------------------------------------------------- compute rules (lowering)
 @defcompute("fused")
-def _fused_compute(ctx, *inputs, kind, body):
+def _fused_compute(ctx, *inputs, template, body):
     """The body's nodes, each by its own rule; producers inline into consumers."""
     return tuple(compute_graph(ctx.builder, body, inputs))
 

@@ -418,8 +418,7 @@ def scatter_infer(types, *, dim, **_):
     return x
 
 
-@defop("scatter_add", infer=scatter_infer, num_inputs=3, attrs={"dim": Attr("int")},
-       impls={"generated": True, "library": "scatter_add"})
+@defop("scatter_add", infer=scatter_infer, num_inputs=3, attrs={"dim": Attr("int")})
 def scatter_add(x, index, src, *, dim):
     """``out = x; out[index[i][j]][j] += src[i][j]`` for ``dim=0`` (torch.scatter_add);
     repeated indices accumulate."""
@@ -579,8 +578,7 @@ def _index_put_infer(types, *, dims, accumulate=False):
 
 
 @defop("index_put", infer=_index_put_infer, num_inputs=(3, None),
-       attrs={"dims": Attr("ints"), "accumulate": Attr("bool", False)},
-       impls={"generated": True, "library": "index_put"})
+       attrs={"dims": Attr("ints"), "accumulate": Attr("bool", False)})
 def index_put(x, values, *indices, dims, accumulate=False):
     """``x`` with the positions ``index(x, *indices, dims)`` selects set to ``values``
     (broadcast), or incremented by them with ``accumulate`` (repeated positions add up)."""
@@ -635,7 +633,7 @@ def triu(x, *, diagonal=0):
 @deflinear
 def _triangle_transpose(b, g, x, y, attrs):
     """Keep the same triangle of the cotangent."""
-    return b.op(y.producer.kind, g, diagonal=attrs["diagonal"])
+    return b.op(y.producer.op_name, g, diagonal=attrs["diagonal"])
 
 
 def _repeat_infer(types, *, repeats):

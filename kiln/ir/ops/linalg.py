@@ -45,8 +45,7 @@ def _matmul_infer(types, **_) -> TensorType:
     return TensorType((*batch, *rows, *cols), dtype)
 
 
-@defop("matmul", infer=_matmul_infer, num_inputs=2, traits=("matmul",), amp="low",
-       impls={"generated": True, "library": "matmul"})
+@defop("matmul", infer=_matmul_infer, num_inputs=2, traits=("matmul",), amp="low")
 def matmul(a, b):
     """Matrix product with numpy/torch semantics (1-d operands, broadcast batch axes)."""
     return np.asarray(np.matmul(upcast_half(a), upcast_half(b))).astype(a.dtype, copy=False)

@@ -26,19 +26,18 @@ This module imports nothing outside :mod:`kiln.ir`.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
 
-import numpy as np
 
 from ..errors import KilnError
+from ..builder import GraphBuilder
 from ..graph import Graph, Value
 from ..registry import _REGISTRY
-from ..types import DType, TensorType
+from ..types import TensorType
 
 VjpRule = Callable[..., Sequence["Value | None"]]
 
 
-class GradBuilder:
+class GradBuilder(GraphBuilder):
     """Adds backward nodes to a graph on behalf of a gradient rule.
 
     Every node it builds carries ``loc`` (the forward node's source location), so errors
@@ -48,71 +47,11 @@ class GradBuilder:
     """
 
     def __init__(self, graph: Graph, loc: str | None = None, wants: Sequence[bool] = ()):
-        self.graph = graph
-        self.loc = loc
+        super().__init__(graph, loc=loc)
         self._wants = tuple(wants)
 
     def wants(self, index: int) -> bool:
         return self._wants[index] if index < len(self._wants) else True
-
-    def op(self, name: str, *inputs: Value, **attrs: Any) -> Value:
-        """Add a single-result node ``name(*inputs) {attrs}`` and return its result."""
-        return self.graph.add_node(name, inputs, attrs, loc=self.loc).output
-
-    def const(self, value: float | bool, like: Value | DType) -> Value:
-        """A 0-d constant ``value`` of ``like``'s dtype (so arithmetic does not promote)."""
-        dtype = like.dtype if isinstance(like, Value) else like
-        return self.graph.add_constant(np.asarray(value, dtype=dtype.numpy), dtype)
-
-    def array(self, data: np.ndarray, dtype: DType) -> Value:
-        """A constant tensor holding ``data`` converted to ``dtype``."""
-        return self.graph.add_constant(np.asarray(data, dtype=dtype.numpy), dtype)
-
-    def full(self, shape: Sequence[int], value: float | bool, dtype: DType) -> Value:
-        return self.op("full", shape=tuple(shape), value=value, dtype=dtype)
-
-    def zeros(self, type: TensorType) -> Value:
-        return self.full(type.shape, 0.0 if type.dtype.is_floating else 0, type.dtype)
-
-    # Small conveniences used by many rules.
-    def mul(self, a: Value, b: Value) -> Value:
-        return self.op("mul", a, b)
-
-    def add(self, a: Value, b: Value) -> Value:
-        return self.op("add", a, b)
-
-    def sub(self, a: Value, b: Value) -> Value:
-        return self.op("sub", a, b)
-
-    def div(self, a: Value, b: Value) -> Value:
-        return self.op("div", a, b)
-
-    def neg(self, a: Value) -> Value:
-        return self.op("neg", a)
-
-    def cast(self, a: Value, dtype: DType) -> Value:
-        return a if a.dtype == dtype else self.op("cast", a, dtype=dtype)
-
-    def reshape(self, a: Value, shape: Sequence[int]) -> Value:
-        return a if tuple(a.shape) == tuple(shape) else self.op("reshape", a, shape=tuple(shape))
-
-    def sum(self, a: Value, dims: Sequence[int], keepdim: bool = False) -> Value:
-        if not dims:
-            return a
-        return self.op("sum", a, dims=tuple(dims), keepdim=keepdim)
-
-    def permute(self, a: Value, dims: Sequence[int]) -> Value:
-        if tuple(dims) == tuple(range(len(dims))):
-            return a
-        return self.op("permute", a, dims=tuple(dims))
-
-    def transpose(self, a: Value) -> Value:
-        """Swap the last two axes."""
-        r = a.type.rank
-        return self.permute(a, (*range(r - 2), r - 1, r - 2))
-
-    def where(self, cond: Value, a: Value, b: Value) -> Value:
-        return self.op("where", cond, a, b)
 
 
 # ------------------------------------------------------------------------------ helpers

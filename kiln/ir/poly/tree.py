@@ -189,7 +189,7 @@ def format_tree(node: TreeNode, indent: str = "") -> str:
         lines = [f"{indent}sequence"] + [format_tree(c, indent + "  ") for c in node.children]
         return "\n".join(lines)
     funcs = "; ".join(f"{s}: {_pw_text(pa)}" for s, pa in node.funcs.items())
-    ann = "" if node.annotation.kind == "serial" else f" @{node.annotation.kind}"
+    ann = "" if node.annotation.mode == "serial" else f" @{node.annotation.mode}"
     return f"{indent}band {node.name}{ann} [{funcs}]\n" + format_tree(node.child, indent + "  ")
 
 

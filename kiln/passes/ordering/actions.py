@@ -9,8 +9,8 @@ its actions, so it keeps working when new sets are added.
   ``simplify``, ``fold``, ``cse``, ``dce``, ``sink-views``, ``composites``, ``fuse``.
 * ``extended`` -- ``base`` plus order-sensitive decisions: composite pattern subsets,
   fusion size limits and strategies, decomposition of composite ops
-  (:mod:`kiln.passes.ordering.decompose`: recognize a composite or expose its pieces), and
-  duplication of cheap shared producers before fusion (:mod:`kiln.passes.ordering.recompute`:
+  (:mod:`kiln.passes.decompose`: recognize a composite or expose its pieces), and
+  duplication of cheap shared producers before fusion (:mod:`kiln.passes.recompute`:
   fewer bytes for more arithmetic; rematerialization on training graphs).
 
 Every set ends with ``stop``.
@@ -24,8 +24,6 @@ from functools import cached_property
 
 from kiln.passes.base import Pass
 from kiln.passes.manager import parse_pipeline
-from kiln.passes.ordering import decompose as _decompose  # noqa: F401  (registers "decompose")
-from kiln.passes.ordering import recompute as _recompute  # noqa: F401  (registers "recompute")
 
 
 @dataclass(frozen=True)

@@ -109,7 +109,7 @@ def op_count(graph: Graph) -> int:
     """Number of op nodes in ``graph``, the nodes of ``fused`` bodies included."""
     total = 0
     for node in graph.nodes:
-        body = node.attrs.get("body") if node.kind == "fused" else None
+        body = node.attrs.get("body") if node.op_name == "fused" else None
         total += op_count(body) if body is not None else 1
     return total
 
@@ -130,7 +130,7 @@ def _nbytes(t: TensorType) -> int:
 
 def node_flops(node: Node) -> float:
     """Estimated floating-point operations of one node (``fused``: the sum of its body)."""
-    if node.kind == "fused":
+    if node.op_name == "fused":
         return sum(node_flops(n) for n in node.attrs["body"].nodes)
     if node.op.cost is not None:
         return float(
@@ -141,7 +141,7 @@ def node_flops(node: Node) -> float:
         return 0.0
     out = sum(_numel(v.type) for v in node.outputs)
     first_in = _numel(node.inputs[0].type) if node.inputs else 0
-    kind = node.kind
+    kind = node.op_name
     if cls == "matmul":
         a = node.inputs[0].type
         k = a.shape[-1] if a.rank and isinstance(a.shape[-1], int) else 1
@@ -191,7 +191,7 @@ def random_arguments(graph: Graph, seed: int = 0) -> tuple[list[np.ndarray], lis
     rng = np.random.default_rng(seed)
     dims = [d for p in graph.params if p.dtype.is_floating for d in p.shape if isinstance(d, int)]
     high = max(1, min(dims) if dims else 2)
-    variances = {n.inputs[4] for n in graph.nodes if n.kind == "batch_norm"}
+    variances = {n.inputs[4] for n in graph.nodes if n.op_name == "batch_norm"}
 
     def make(value, scale: float) -> np.ndarray:
         t = value.type

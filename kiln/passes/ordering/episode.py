@@ -1,6 +1,6 @@
 """One pass-ordering episode, without gymnasium: the state machine every user shares.
 
-The gymnasium environment (:mod:`kiln.passes.ordering.env`), the baselines and the learned
+The gymnasium environment (:mod:`kiln.tuning.rl.env`), the baselines and the learned
 pipeline all drive :class:`Episode`, so they see the same masks, observations, costs and
 rewards.  An episode starts from one graph; each step applies one action; it ends when the
 agent stops (terminated) or when ``budget`` steps have been taken (truncated).

@@ -175,7 +175,7 @@ def shipped_policy() -> PolicyNet:
         if not SHIPPED_POLICY.exists():
             raise FileNotFoundError(
                 f"no shipped policy at {SHIPPED_POLICY}; train one with "
-                "`kiln tune-passes` or python -m kiln.passes.ordering.train"
+                "`kiln tune-passes` or python -m kiln.tuning.rl.train"
             )
         _SHIPPED = PolicyNet.load(SHIPPED_POLICY)
     return _SHIPPED

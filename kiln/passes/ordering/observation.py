@@ -95,7 +95,7 @@ def structure(graph: Graph) -> dict[str, float]:
         "max_fanout": float(max(fanout.values(), default=0)),
         "mean_fanout": float(np.mean(list(fanout.values()))) if fanout else 0.0,
         "view_fraction": sum(node_class(x) == "view" for x in nodes) / n if n else 0.0,
-        "fused_fraction": sum(x.kind == "fused" for x in nodes) / n if n else 0.0,
+        "fused_fraction": sum(x.op_name == "fused" for x in nodes) / n if n else 0.0,
     }
 
 
@@ -126,7 +126,7 @@ class ObservationSpec:
         index = {k: i for i, k in enumerate(self.op_names)}
         hist = np.zeros(len(self.op_names) + 1, dtype=np.float32)
         for node in graph.nodes:
-            hist[index.get(node.kind, len(self.op_names))] += 1
+            hist[index.get(node.op_name, len(self.op_names))] += 1
         if graph.nodes:
             hist /= len(graph.nodes)
         stats = structure(graph)

@@ -64,7 +64,7 @@ def nodes(schedule: Schedule) -> list[NodeInfo]:
     for n, path in walk_tree(schedule.tree):
         stmts = tuple(statements_under(n))
         if isinstance(n, Band):
-            out.append(NodeInfo("band", n.name, path, stmts, n.annotation.kind, (_label(n.child),)))
+            out.append(NodeInfo("band", n.name, path, stmts, n.annotation.mode, (_label(n.child),)))
         elif isinstance(n, Sequence):
             out.append(NodeInfo("sequence", None, path, stmts, children=tuple(_label(c) for c in n.children)))
         else:

@@ -200,7 +200,7 @@ def _child_index(kids: list[TreeNode], split: int | str, loop: str) -> int:
 
 def annotate(tree: TreeNode, loop: str, annotation: Annotation, primitive: str) -> TreeNode:
     b, path = find_band(tree, loop, primitive)
-    if annotation.kind == "vectorized" and not _innermost(b):
+    if annotation.mode == "vectorized" and not _innermost(b):
         raise ScheduleError(f"vectorize: loop '{loop}' is not innermost: it contains {_describe(b.child)}")
     return replace_at(tree, path, replace(b, annotation=annotation))
 

@@ -1,0 +1,1 @@
+"""The device-neutral core every backend builds on (``docs/backends.md``)."""

@@ -1,0 +1,644 @@
+"""PyTorch capture: ATen-level programs (``torch.export`` or FX) to kiln graphs.
+
+Entry points:
+
+* :func:`capture` -- ``nn.Module`` + example inputs -> :class:`Captured` (export, decompose
+  only if needed, lower);
+* :func:`export_program` -- ``torch.export`` of a module: the training IR itself when kiln
+  lowers every node of it, else the program decomposed with :func:`decomposition_table`;
+* :func:`capture_program` -- an ``ExportedProgram`` from ``export_program`` -> ``Captured``;
+* :func:`capture_fx` -- an ATen-level ``torch.fx.GraphModule`` whose placeholders are all
+  tensors (the ``torch.compile`` path) -> ``Captured``;
+* :func:`is_supported` -- whether kiln lowers one FX node (the fallback partitioner's test,
+  :mod:`kiln.frontends.torch.aten_support`).
+
+Why the decomposition is skipped when it can be: ``run_decompositions`` re-traces the whole
+program (on GPT-2 small it costs more than the export itself), and kiln's rules lower the
+training IR's high-level ops (``linear``, ``layer_norm``, ``conv2d``, ``batch_norm``,
+``scaled_dot_product_attention``, views, eval-mode ``dropout``...) directly.  In-place calls
+are lowered functionally only where that is provably unobservable
+(:mod:`kiln.frontends.torch.aten_inplace`); any other in-place call, any mutation of inputs or
+buffers, and any op without a rule send the program through the decomposition, exactly as
+before.  The result is the same kiln graph semantics either way.
+
+Guarantees of a captured graph:
+
+* every kiln value has exactly the shape and dtype PyTorch computed for the ATen value it
+  stands for (a ``cast`` is inserted where kiln's promotion differs; a shape difference is a
+  kiln bug and raises :class:`~kiln.frontends.errors.CaptureError`);
+* parameters and buffers are graph params named by their module path, and
+  ``Captured.params`` holds the live tensors of the model (never copies);
+* lifted tensor constants become kiln constants;
+* every node's ``loc`` is the user's source line, ``"file.py:LINE in fn: code"``, when
+  PyTorch recorded a stack trace;
+* any ATen op or argument combination kiln cannot lower raises
+  :class:`~kiln.frontends.errors.UnsupportedOpError` naming the op, its operand types and the
+  source line; only static shapes are supported today.
+"""
+
+from __future__ import annotations
+
+import operator
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+import torch
+from torch.utils import _pytree as pytree
+
+from kiln.ir import Graph, OpTypeError, TensorType, Value
+from kiln.ir.ops.random import RNG_SEED_PARAM
+from kiln.runtime.module import BUFFER_UPDATE_PREFIX, INPUT_UPDATE_PREFIX
+
+from .aten import (
+    IGNORED_OPS,
+    LoweringContext,
+    kiln_dtype,
+    lowers,
+    rule_for,
+    tensor_type,
+)
+from .aten_support import (
+    bad_value,
+    bind_arguments,
+    describe_inputs,
+    describe_value,
+    is_supported,  # noqa: F401  (re-exported: the fallback partitioner's test)
+    source_location,
+    unsupported_reason,
+)
+from kiln.frontends.errors import CaptureError, UnsupportedOpError
+
+aten = torch.ops.aten
+
+# Ops the default core-ATen table would decompose but kiln lowers directly (and better).
+_KEPT_OPS = (
+    "silu.default", "layer_norm.default", "rms_norm.default", "softmax.int", "log_softmax.int",
+    "scaled_dot_product_attention.default", "upsample_nearest2d.default",
+    "upsample_nearest2d.vec", "upsample_bilinear2d.vec", "matmul.default", "linear.default",
+    "tril.default", "triu.default", "adaptive_avg_pool2d.default", "max_pool2d.default",
+    "masked_fill.Scalar", "masked_fill.Tensor", "native_dropout.default", "group_norm.default",
+    "native_group_norm.default", "roll.default", "diagonal.default", "unfold.default",
+    "rot90.default", "diag.default", "diag_embed.default", "take_along_dim.default",
+    "upsample_nearest1d.vec", "upsample_nearest3d.vec", "_upsample_nearest_exact1d.vec",
+    "_upsample_nearest_exact2d.vec", "_upsample_nearest_exact3d.vec", "upsample_linear1d.vec",
+    "upsample_bicubic2d.vec", "upsample_trilinear3d.vec",
+    "_scaled_dot_product_flash_attention_for_cpu.default",
+    "detach.default",  # torch decomposes it to alias, losing the stop of the gradient
+    "special_log_ndtr.default",  # its decomposition has NaN gradients far in the lower tail
+)
+
+
+def decomposition_table() -> dict[Any, Any]:
+    """The decomposition table kiln exports with: core ATen minus the ops kiln maps directly.
+
+    Starts from ``torch.export.default_decompositions()`` and removes the ops of
+    ``_KEPT_OPS`` (silu, layer/group/RMS norm, softmax/log_softmax, scaled dot-product
+    attention, every upsampling mode, matmul/linear, tril/triu, max/adaptive pooling,
+    masked_fill, dropout, roll, diagonal, unfold...), so they reach kiln whole (gelu, conv,
+    batch norm, embedding... are core ATen and stay whole anyway).  Returns a new plain dict
+    (op overload -> decomposition) that callers may edit; usable with
+    ``ExportedProgram.run_decompositions`` and ``make_fx(decomposition_table=...)``.
+    """
+    table = torch.export.default_decompositions()
+    for name in _KEPT_OPS:
+        packet, overload = name.split(".")
+        op = getattr(getattr(aten, packet), overload)
+        if op in table:
+            table.pop(op)
+    return dict(table.items())
+
+
+_UNDECOMPOSED = "kiln_undecomposed"  # graph_module.meta flag of programs export_program kept whole
+
+
+def export_program(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *,
+                   decompose: bool | None = None) -> torch.export.ExportedProgram:
+    """``torch.export.export(model, args, kwargs, strict=False)``, decomposed only if needed.
+
+    ``decompose=None`` (the default) returns the exported training IR itself when kiln lowers
+    every node of it (:func:`lowering_blockers` is empty): re-tracing it through
+    ``run_decompositions`` costs more than the export and changes nothing kiln needs.
+    Otherwise -- and always with ``decompose=True`` -- it returns
+    :func:`decompose_program` of it, functionalized and decomposed with
+    :func:`decomposition_table`.  ``decompose=False`` never decomposes.
+    """
+    _refuse_cumulative_batch_norm(model)
+    with marked_function_outputs():
+        ep = torch.export.export(model, tuple(args), dict(kwargs or {}), strict=False)
+    if decompose is True or (decompose is None and lowering_blockers(ep)):
+        return ep.run_decompositions(decomposition_table())
+    ep.graph_module.meta[_UNDECOMPOSED] = True
+    return ep
+
+
+# ----------------------------------------------- torch.autograd.Function under export
+# torch.export traces a torch.autograd.Function's forward inline and drops its backward;
+# differentiating the inlined forward would silently replace the user's backward (a
+# straight-through estimator's is deliberately not the forward's derivative).  While kiln
+# exports, ``Function.apply`` therefore asks Dynamo for the Function's forward and backward
+# bodies, as ``torch.compile`` sees them, and records the call as one
+# ``kiln::autograd_function`` op (:func:`kiln.frontends.torch.dynamo.export_function`), lowered to a
+# ``custom_vjp`` node with the user's backward.  When Dynamo cannot trace the Function, every
+# tensor it returns passes through ``kiln::function_output`` instead, which kiln lowers to a
+# ``custom_vjp`` node without a backward: inference inlines it, and gradients through it
+# raise a KilnError naming the Function and saying why its backward is unknown.
+
+
+@torch.library.custom_op("kiln::function_output", mutates_args=())
+def _function_output(x: torch.Tensor, name: str, why: str) -> torch.Tensor:
+    """An output of the torch.autograd.Function ``name`` whose backward kiln does not know,
+    for the reason ``why`` (identity)."""
+    return x.clone()
+
+
+@_function_output.register_fake
+def _function_output_fake(x: torch.Tensor, name: str, why: str) -> torch.Tensor:
+    return x.clone()
+
+
+def _function_output_backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+    return grad, None, None
+
+
+_function_output.register_autograd(_function_output_backward)
+
+
+class marked_function_outputs:
+    """Context manager: ``torch.autograd.Function.apply`` of a user's Function records the
+    call as ``kiln::autograd_function`` with the Function's own backward, or marks its tensor
+    outputs with ``kiln::function_output`` when Dynamo cannot trace it (see above); restores
+    ``apply`` on exit."""
+
+    def __enter__(self) -> None:
+        function = torch.autograd.Function
+        self._original = function.__dict__["apply"]
+        original = self._original.__func__
+
+        def apply(cls: Any, *args: Any, **kwargs: Any) -> Any:
+            from . import dynamo as dynamo_mod
+
+            if str(getattr(cls, "__module__", "")).startswith("torch.") or dynamo_mod.tracing_function():
+                return original(cls, *args, **kwargs)  # torch's own Functions (custom ops' autograd...)
+            try:
+                return dynamo_mod.export_function(cls, args, kwargs)
+            except dynamo_mod.FunctionNotTraced as e:
+                why = str(e)
+            out = original(cls, *args, **kwargs)
+            name = getattr(cls, "__qualname__", "torch.autograd.Function")
+            return pytree.tree_map_only(torch.Tensor, lambda t: _function_output(t, name, why), out)
+
+        function.apply = classmethod(apply)
+
+    def __exit__(self, *exc: object) -> None:
+        torch.autograd.Function.apply = self._original
+
+
+@lowers(torch.ops.kiln.function_output.default)
+def _lower_function_output(ctx: LoweringContext, x: Value, name: str, why: str = "") -> Value:
+    """A ``custom_vjp`` node whose forward is the identity and whose backward is unknown."""
+    forward = Graph(f"{name}.forward")
+    forward.set_outputs([forward.add_input("x", x.type)])
+    return ctx.graph.add_node("custom_vjp", [x], {"forward": forward, "name": name, "why": why},
+                              loc=ctx.loc).output
+
+
+def _refuse_cumulative_batch_norm(model: torch.nn.Module) -> None:
+    """Train-mode batch norm with ``momentum=None`` (a cumulative moving average) computes its
+    update factor as ``1 / float(num_batches_tracked)``, from a buffer's value, which
+    torch.export cannot trace: say so, naming the module, before torch.export fails."""
+    from torch.nn.modules.batchnorm import _BatchNorm
+
+    for name, module in model.named_modules():
+        if isinstance(module, _BatchNorm) and module.training and module.track_running_stats \
+                and module.momentum is None:
+            raise UnsupportedOpError(
+                f"{type(module).__name__} '{name or type(module).__name__}'", "momentum=None", None,
+                "train-mode batch norm with momentum=None (a cumulative moving average) divides "
+                "by the value of its num_batches_tracked buffer, which torch.export cannot trace",
+                hint="Train it through torch.compile(model, backend='kiln'), which compiles this "
+                "module; or give it a float momentum (e.g. momentum=0.1); or call model.eval() "
+                "for inference.")
+
+
+def is_undecomposed(ep: torch.export.ExportedProgram) -> bool:
+    """Whether ``ep`` is a program :func:`export_program` returned without decomposing it."""
+    return bool(ep.graph_module.meta.get(_UNDECOMPOSED))
+
+
+def decompose_program(ep: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
+    """``ep`` functionalized and decomposed with :func:`decomposition_table`, as
+    :func:`export_program` does when it must; other programs are returned unchanged."""
+    if not is_undecomposed(ep):
+        return ep
+    decomposed = ep.run_decompositions(decomposition_table())
+    decomposed.graph_module.meta.pop(_UNDECOMPOSED, None)
+    return decomposed
+
+
+def lowering_blockers(ep: torch.export.ExportedProgram, limit: int = 8) -> list[str]:
+    """Why kiln cannot lower the exported program ``ep`` as it is (at most ``limit`` reasons;
+    empty when it can): nodes :func:`unsupported_reason` refuses, node kinds other than
+    placeholders, calls and the output, inputs other than tensors, parameters, buffers and
+    constants, outputs that update state or are not tensors."""
+    from torch.export.graph_signature import InputKind, OutputKind
+
+    reasons: list[str] = []
+    for node in ep.graph.nodes:
+        if node.op in ("placeholder", "output"):
+            continue
+        reason = unsupported_reason(node) if node.op == "call_function" else f"FX node kind {node.op}"
+        if reason is not None:
+            reasons.append(f"{node.name} ({node.target}): {reason}")
+    kept = (InputKind.USER_INPUT, InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR,
+            InputKind.TOKEN)
+    reasons += [f"input {s.arg} of kind {s.kind.name}" for s in ep.graph_signature.input_specs
+                if s.kind not in kept]
+    out_node = next(n for n in ep.graph.nodes if n.op == "output")
+    for arg, spec in zip(out_node.args[0], ep.graph_signature.output_specs):
+        if spec.kind == OutputKind.TOKEN:
+            continue
+        if spec.kind != OutputKind.USER_OUTPUT:
+            reasons.append(f"output {spec.arg} of kind {spec.kind.name}")
+        elif not isinstance(arg, torch.fx.Node) or not isinstance(arg.meta.get("val"), torch.Tensor):
+            reasons.append(f"output {describe_value(arg)} is not a tensor")
+    return reasons[:limit]
+
+
+@dataclass
+class Captured:
+    """A captured program: the kiln graph plus what is needed to call it like the model.
+
+    Attributes:
+        graph: the kiln graph; its inputs are the user's tensor inputs in call order, its
+            params the model's parameters and buffers.
+        params: graph param name -> the live parameter/buffer tensor (not a copy), in the
+            order of ``graph.params``.
+        input_names: names of ``graph.inputs``, in call order.
+        in_spec, out_spec: pytree specs of the exported program's (args, kwargs) and outputs;
+            ``None`` on the FX path.
+        input_positions: for each graph input, its index among the flattened user inputs
+            (non-tensor user inputs are specialized into the graph and have no graph input).
+        user_input_names: the exported program's name of every flattened user input,
+            tensors or not, in order; empty on the FX path.
+        param_targets: graph param name -> the model attribute path of its tensor
+            (``"fc1.weight"``), so a cached capture can bind a live model; empty on the FX path.
+    """
+
+    graph: Graph
+    params: dict[str, torch.Tensor]
+    input_names: list[str]
+    in_spec: Any = None
+    out_spec: Any = None
+    input_positions: list[int] = field(default_factory=list)
+    user_input_names: list[str] = field(default_factory=list)
+    param_targets: dict[str, str] = field(default_factory=dict)
+
+
+# --------------------------------------------------------------- lowering
+def _to_numpy(t: torch.Tensor) -> np.ndarray:
+    t = t.detach().cpu()
+    if t.dtype == torch.bfloat16:
+        return t.contiguous().view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return t.numpy()
+
+
+class _Lowerer:
+    """Lowers the call_function nodes of one FX graph into a kiln graph."""
+
+    def __init__(self, graph: Graph, fx_graph: torch.fx.Graph):
+        self.graph = graph
+        self.env: dict[torch.fx.Node, Any] = {}
+        self.live = _live_nodes(fx_graph)
+
+    def bind(self, node: torch.fx.Node, value: Value) -> None:
+        self.env[node] = value
+
+    def lower_all(self, fx_graph: torch.fx.Graph) -> None:
+        for node in fx_graph.nodes:
+            if node.op == "call_function":
+                self.lower(node)
+
+    def value(self, arg: Any) -> Any:
+        """An FX argument with nodes replaced by their kiln values (lists mapped through)."""
+        if isinstance(arg, torch.fx.Node):
+            return self.env[arg]
+        if isinstance(arg, (list, tuple)):
+            return type(arg)(self.value(a) for a in arg)
+        return arg
+
+    def lower(self, node: torch.fx.Node) -> None:
+        if node not in self.live:  # dead code (make_fx keeps it); writes are always live
+            self.env[node] = None
+            return
+        loc = source_location(node)
+        reason = unsupported_reason(node)
+        if reason is not None:
+            raise UnsupportedOpError(str(node.target), describe_inputs(node), loc, reason)
+        if node.target in IGNORED_OPS:
+            self.env[node] = None
+            return
+        if node.target is operator.getitem:
+            self.env[node] = self._getitem(node, loc)
+            return
+        ctx = LoweringContext(self.graph, node, loc)
+        args = [self.value(a) for a in bind_arguments(node)]
+        try:
+            result = rule_for(node.target).lower(ctx, *args)
+        except (OpTypeError, ValueError, TypeError) as e:
+            raise CaptureError(
+                f"kiln failed to lower ATen op {node.target}({describe_inputs(node)}): {e}\n"
+                f"  at {loc or '<unknown source line>'}\n  This is a kiln bug; please report it "
+                "with the op and operand types above.") from e
+        if isinstance(result, Value):
+            result = self._match_meta(node, result, node.meta.get("val"), loc)
+        self.env[node] = result
+
+    def _getitem(self, node: torch.fx.Node, loc: str | None) -> Value:
+        source, index = node.args
+        results = self.env[source]
+        entry = results[index]
+        if callable(entry) and not isinstance(entry, Value):
+            entry = entry()
+            results = list(results)
+            results[index] = entry
+            self.env[source] = tuple(results)
+        return self._match_meta(node, entry, node.meta.get("val"), loc)
+
+    def _match_meta(self, node: torch.fx.Node, value: Value, expected: Any, loc: str | None) -> Value:
+        """Check ``value`` against PyTorch's result; cast when only the dtype differs."""
+        if not isinstance(expected, torch.Tensor):
+            return value
+        want = tensor_type(expected)
+        if tuple(value.shape) != want.shape:
+            raise CaptureError(
+                f"kiln's lowering of ATen op {node.target}({describe_inputs(node)}) has type "
+                f"{value.type}, but PyTorch computes {want}\n  at {loc or '<unknown source line>'}"
+                "\n  This is a kiln bug; please report it.")
+        if value.dtype != want.dtype:
+            value = self.graph.op("cast", value, loc=loc, dtype=want.dtype)
+        return value
+
+    def output(self, node: torch.fx.Node, arg: Any, what: str) -> Value:
+        if not isinstance(arg, torch.fx.Node) or not isinstance(self.env.get(arg), Value):
+            raise UnsupportedOpError(
+                "output", describe_value(arg), source_location(node),
+                f"{what} is {describe_value(arg)}, not a tensor; kiln graphs return tensors only",
+                hint="Return only tensors from the captured function (wrap the model if needed).")
+        return self.env[arg]
+
+
+def _live_nodes(fx_graph: torch.fx.Graph) -> set[torch.fx.Node]:
+    """Nodes the output depends on, and every call that writes in place (with what it
+    reads): a write is an effect even when nothing uses its result, so it is lowered -- its
+    rule decides whether the write is unobservable (:mod:`kiln.frontends.torch.aten_inplace`) -- or
+    refused, never dropped."""
+    live: set[torch.fx.Node] = set()
+    for node in reversed(fx_graph.nodes):
+        if node.op == "output" or is_mutating(node) or any(user in live for user in node.users):
+            live.add(node)
+    return live
+
+
+def is_mutating(node: torch.fx.Node) -> bool:
+    """Whether ``node`` calls an op whose schema writes one of its arguments."""
+    schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
+    return schema is not None and schema.is_mutable
+
+
+def _fresh(name: str, used: set[str]) -> str:
+    """A valid, unused kiln value name close to ``name``."""
+    base = re.sub(r"[^A-Za-z0-9_.]", "_", name)
+    if not re.match(r"^[A-Za-z_]", base):
+        base = "v_" + base
+    candidate, n = base, 0
+    while candidate in used:
+        n += 1
+        candidate = f"{base}_{n}"
+    used.add(candidate)
+    return candidate
+
+
+_STATIC_HINT = ("Capture with example inputs of exactly the shapes you will run; each new shape "
+                "needs a new capture.")
+
+
+def _placeholder_type(node: torch.fx.Node) -> TensorType:
+    val = node.meta.get("val")
+    reason = bad_value(val)
+    if reason:
+        raise UnsupportedOpError("placeholder", describe_value(val), None, f"input '{node.name}': {reason}",
+                                 hint=_STATIC_HINT)
+    return tensor_type(val)
+
+
+# -------------------------------------------------------------- entry points
+def capture_program(ep: torch.export.ExportedProgram, name: str = "main") -> Captured:
+    """Lower an exported program from :func:`export_program` to a kiln graph.
+
+    A program that ``export_program`` kept undecomposed and that still fails to lower is
+    decomposed (:func:`decompose_program`) and lowered again, so the result, or the error,
+    is the one the decomposed program gives.
+    """
+    try:
+        return _lower_program(ep, name)
+    except (UnsupportedOpError, CaptureError):
+        if not is_undecomposed(ep):
+            raise
+    return _lower_program(decompose_program(ep), name)
+
+
+def _lower_program(ep: torch.export.ExportedProgram, name: str) -> Captured:
+    from torch.export.graph_signature import InputKind, OutputKind
+
+    graph = Graph(name)
+    _drop_effect_tokens(ep.graph)
+    lowerer = _Lowerer(graph, ep.graph)
+    used: set[str] = set()
+    params: dict[str, torch.Tensor] = {}
+    targets: dict[str, str] = {}
+    input_names: list[str] = []
+    user_names: list[str] = []
+    positions: list[int] = []
+    placeholders = [n for n in ep.graph.nodes if n.op == "placeholder"]
+    input_of: dict[str, str] = {}  # placeholder name -> kiln input name
+    user_index = 0
+    for node, spec in zip(placeholders, ep.graph_signature.input_specs):
+        if spec.kind == InputKind.USER_INPUT:
+            user_names.append(spec.arg.name)
+            if isinstance(node.meta.get("val"), torch.Tensor):
+                v = graph.add_input(_fresh(node.name, used), _placeholder_type(node))
+                lowerer.bind(node, v)
+                input_of[spec.arg.name] = v.name
+                input_names.append(v.name)
+                positions.append(user_index)
+            user_index += 1
+        elif spec.kind in (InputKind.PARAMETER, InputKind.BUFFER):
+            persistent = spec.kind == InputKind.PARAMETER or spec.persistent
+            tensor = ep.state_dict[spec.target] if persistent else ep.constants[spec.target]
+            v = graph.add_param(_fresh(spec.target, used), _placeholder_type(node))
+            lowerer.bind(node, v)
+            params[v.name] = tensor
+            targets[v.name] = spec.target
+        elif spec.kind == InputKind.CONSTANT_TENSOR:
+            data = _to_numpy(ep.constants[spec.target])
+            lowerer.bind(node, graph.add_constant(data, kiln_dtype(ep.constants[spec.target].dtype)))
+        elif spec.kind == InputKind.TOKEN:  # see _drop_effect_tokens
+            lowerer.bind(node, None)
+        else:
+            raise UnsupportedOpError("placeholder", describe_value(node.meta.get("val")), None,
+                                     f"input '{node.name}' of kind {spec.kind.name} is not supported",
+                                     hint="Capture a model whose inputs are tensors, parameters and "
+                                     "buffers only.")
+    lowerer.lower_all(ep.graph)
+    out_node = next(n for n in ep.graph.nodes if n.op == "output")
+    outputs = []
+    updates: list[tuple[Any, str]] = []
+    input_updates: list[tuple[Any, str]] = []
+    param_of_target = {target: name for name, target in targets.items()}
+    for arg, spec in zip(out_node.args[0], ep.graph_signature.output_specs):
+        if spec.kind == OutputKind.TOKEN:
+            continue
+        if spec.kind == OutputKind.BUFFER_MUTATION and spec.target in param_of_target:
+            updates.append((lowerer.output(out_node, arg, f"the new value of buffer {spec.target}"),
+                            param_of_target[spec.target]))
+            continue
+        if spec.kind == OutputKind.USER_INPUT_MUTATION and spec.target in input_of:
+            input_updates.append((lowerer.output(out_node, arg, f"the new value of input {spec.target}"),
+                                  input_of[spec.target]))
+            continue
+        if spec.kind != OutputKind.USER_OUTPUT:
+            raise UnsupportedOpError(
+                str(getattr(arg, "target", "output")), describe_value(arg), source_location(arg)
+                if isinstance(arg, torch.fx.Node) else None,
+                f"the program updates {spec.kind.name.lower()} '{spec.target}' in place",
+                hint="kiln compiles programs whose only in-place updates are of buffers and "
+                "tensor inputs: avoid in-place updates of parameters.")
+        outputs.append(lowerer.output(out_node, arg, "an output"))
+    graph.set_outputs(outputs)
+    add_buffer_updates(graph, updates)
+    add_buffer_updates(graph, input_updates, INPUT_UPDATE_PREFIX)
+    _bind_seed(graph, params)
+    return Captured(graph, params, input_names, ep.call_spec.in_spec, ep.call_spec.out_spec,
+                    positions, user_names, targets)
+
+
+def _drop_effect_tokens(fx_graph: torch.fx.Graph) -> None:
+    """torch.export threads an effect token (a TOKEN input and output) through calls of ops
+    with side effects, wrapped in ``with_effects``.  The only such ops kiln meets are checks
+    it ignores (:data:`IGNORED_OPS`, e.g. ``_linalg_check_errors`` of a factorization):
+    their calls are dropped and the token passes through, so the TOKEN input and output are
+    unused and skipped.  A ``with_effects`` call of any other op stays, and is refused."""
+    effects = getattr(torch.ops.higher_order, "with_effects", None)
+    for node in list(fx_graph.nodes):
+        if node.op != "call_function" or node.target is not effects or node.args[1] not in IGNORED_OPS:
+            continue
+        for user in list(node.users):
+            if user.target is operator.getitem and user.args[1] == 0:
+                user.replace_all_uses_with(node.args[0])
+                fx_graph.erase_node(user)
+        if not node.users:
+            fx_graph.erase_node(node)
+
+
+def add_buffer_updates(graph: Graph, updates: Sequence[tuple[Value, str]],
+                       prefix: str = BUFFER_UPDATE_PREFIX) -> None:
+    """Append the new value of each updated buffer (graph param name) to ``graph``'s
+    outputs, named ``buffer_update.<param>`` (:func:`kiln.runtime.buffer_updates` reads the
+    names back, also from a graph parsed from text); with ``prefix=INPUT_UPDATE_PREFIX``,
+    the same for updated graph inputs.  An update that returns the value itself changes
+    nothing and is dropped."""
+    outputs = list(graph.outputs)
+    for value, param in updates:
+        if value.origin in ("param", "input") and value.name == param:
+            continue
+        name = prefix + param
+        if value.origin != "result" or value in outputs or value.name.startswith((BUFFER_UPDATE_PREFIX,
+                                                                                 INPUT_UPDATE_PREFIX)):
+            value = graph.op("reshape", value, shape=tuple(value.shape))  # a value of its own
+        graph._names.discard(value.name)
+        value.name = graph._claim(name)
+        outputs.append(value)
+    graph.set_outputs(outputs)
+
+
+def _bind_seed(graph: Graph, params: dict[str, torch.Tensor]) -> None:
+    """Give the random ops' seed param (added by the dropout rules) a tensor of its own;
+    the runtime refills it before every call."""
+    for value in graph.params:
+        if value.name == RNG_SEED_PARAM and value.name not in params:
+            params[value.name] = torch.zeros((), dtype=torch.int64)
+
+
+def _ensure_meta(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> None:
+    """Fill ``node.meta["val"]`` by fake-tensor propagation when the tracer left it out."""
+    if all("val" in n.meta for n in gm.graph.nodes if n.op not in ("output", "get_attr")):
+        return
+    from torch._guards import detect_fake_mode
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    mode = detect_fake_mode(example_inputs) or FakeTensorMode(allow_non_fake_inputs=True)
+    FakeTensorProp(gm, mode).propagate(*example_inputs)
+
+
+def capture_fx(gm: torch.fx.GraphModule, example_inputs: list, *,
+               param_indices: set[int] | frozenset[int] = frozenset(), name: str = "main"
+               ) -> Captured:
+    """Lower an ATen-level FX graph whose placeholders are all tensors.
+
+    Placeholders at ``param_indices`` become graph params (``Captured.params`` maps their
+    names to ``example_inputs[i]`` itself), the others user inputs in placeholder order.
+    ``get_attr`` tensors become constants.  Outputs are the FX output's flattened values,
+    which must all be tensors.
+    """
+    _ensure_meta(gm, example_inputs)
+    graph = Graph(name)
+    lowerer = _Lowerer(graph, gm.graph)
+    used: set[str] = set()
+    params: dict[str, torch.Tensor] = {}
+    input_names: list[str] = []
+    positions: list[int] = []
+    index = 0
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            if not isinstance(node.meta.get("val"), torch.Tensor):
+                raise UnsupportedOpError("placeholder", describe_value(node.meta.get("val")), None,
+                                         f"input '{node.name}' is not a tensor",
+                                         hint="Pass an FX graph whose placeholders are all tensors.")
+            if index in param_indices:
+                v = graph.add_param(_fresh(node.name, used), _placeholder_type(node))
+                params[v.name] = example_inputs[index]
+            else:
+                v = graph.add_input(_fresh(node.name, used), _placeholder_type(node))
+                input_names.append(v.name)
+                positions.append(index)
+            lowerer.bind(node, v)
+            index += 1
+        elif node.op == "get_attr":
+            attr = operator.attrgetter(node.target)(gm)
+            if not isinstance(attr, torch.Tensor):
+                raise UnsupportedOpError("get_attr", repr(attr), None,
+                                         f"attribute '{node.target}' is not a tensor",
+                                         hint="Pass an ATen-level graph (make_fx / aot_export).")
+            lowerer.bind(node, graph.add_constant(_to_numpy(attr), kiln_dtype(attr.dtype)))
+        elif node.op == "call_function":
+            lowerer.lower(node)
+        elif node.op == "output":
+            flat = pytree.tree_leaves(node.args[0], is_leaf=lambda x: x is None)
+            graph.set_outputs([lowerer.output(node, a, f"output {i}") for i, a in enumerate(flat)])
+            _bind_seed(graph, params)
+        else:
+            raise UnsupportedOpError(node.op, str(node.target), source_location(node),
+                                     f"FX node kind '{node.op}' is not supported",
+                                     hint="Pass an ATen-level graph (make_fx / aot_export).")
+    return Captured(graph, params, input_names, None, None, positions)
+
+
+def capture(model: torch.nn.Module, example_inputs: Sequence[Any],
+            example_kwargs: dict | None = None) -> Captured:
+    """Export ``model`` on the example inputs and lower it: ``capture_program(export_program(...))``."""
+    return capture_program(export_program(model, tuple(example_inputs), example_kwargs))
