@@ -13,9 +13,9 @@ Per workload (one model at one input size), in one process:
    The pause and the untimed call keep one system's leftovers (BLAS and OpenMP worker
    threads that spin for ~0.1 s after a call, evicted caches) from being charged to the
    next one: on two cores an OpenBLAS call right before a PyTorch call made it ~45% slower.
-   Each call is timed with ``time.perf_counter``, with garbage collection off.  Per system
-   the round with the lower median is kept (a round disturbed by other processes only ever
-   makes a median worse).
+   Each call is timed alone (:func:`kiln.runtime.timing.best_time` of one call), with
+   garbage collection off.  Per system the round with the lower median is kept (a round
+   disturbed by other processes only ever makes a median worse).
 4. **Warm start**: each system again from nothing, with its caches filled.
 
 Budget: each system gets ``budget_s`` seconds of calls per round.  It stops early once the
@@ -53,6 +53,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from kiln.tuning.measure import best_time
 
 from .models import Workload, select_workloads
 from .report import (
@@ -216,10 +218,10 @@ class _Progress:
 
 
 def _call(entry: _Entry) -> float:
+    """Seconds of one call of the system: one sample of its distribution (the round-robin
+    and the statistics are this module's; the clock is kiln's one timing loop)."""
     assert entry.prepared is not None
-    start = time.perf_counter()
-    entry.prepared.run()
-    return time.perf_counter() - start
+    return best_time(entry.prepared.run, repeat=1, warmup=0)
 
 
 def _prepare(entry: _Entry, model: torch.nn.Module, inputs: tuple[torch.Tensor, ...], reference: Any,

@@ -6,6 +6,9 @@ Each case builds the schedule and its dependences once, then times, many times o
   work every checked primitive does before it applies;
 * ``step``: a whole checked primitive on a copy of the schedule (tree rewrite + check).
 
+Each sample is one call timed by :func:`kiln.runtime.timing.best_time` (the table reports
+the median and the 90th percentile of the samples, so every call is a sample of its own).
+
 Usage::
 
     python3 benchmarks/legality_check.py [--repeat 200] [--update-docs docs/loops.md]
@@ -18,13 +21,13 @@ from __future__ import annotations
 import argparse
 import platform
 import statistics
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import kiln.loops as kl
 from kiln.ir.poly.legality import check_schedule
 from kiln.passes.schedule import tree_ops
+from kiln.tuning.measure import best_time
 
 GEMM = """
 for (i = 0; i < NI; i++) {
@@ -93,6 +96,11 @@ def _stats(samples: list[float]) -> tuple[float, float]:
     return statistics.median(ordered) * 1e3, ordered[int(0.9 * (len(ordered) - 1))] * 1e3
 
 
+def _time_step(step: Callable, trial: kl.Schedule) -> float:
+    """Seconds of one checked primitive on ``trial`` (a fresh copy, made before timing)."""
+    return best_time(lambda: step(trial), repeat=1, warmup=0)
+
+
 def run(repeat: int) -> list[tuple[str, bool, float, float, float | None, float | None]]:
     rows = []
     for name, source, rewrite, step in CASES:
@@ -100,20 +108,12 @@ def run(repeat: int) -> list[tuple[str, bool, float, float, float | None, float 
         deps = schedule.dependences
         tree = rewrite(schedule.tree)
         legal = check_schedule(schedule.model, deps, tree).legal  # warm-up
-        samples = []
-        for _ in range(repeat):
-            t0 = time.perf_counter()
-            check_schedule(schedule.model, deps, tree)
-            samples.append(time.perf_counter() - t0)
+        samples = [best_time(lambda: check_schedule(schedule.model, deps, tree), repeat=1, warmup=0)
+                   for _ in range(repeat)]
         med, p90 = _stats(samples)
         step_med = step_p90 = None
         if step is not None:
-            steps = []
-            for _ in range(max(repeat // 4, 10)):
-                trial = schedule.copy()
-                t0 = time.perf_counter()
-                step(trial)
-                steps.append(time.perf_counter() - t0)
+            steps = [_time_step(step, schedule.copy()) for _ in range(max(repeat // 4, 10))]
             step_med, step_p90 = _stats(steps)
         rows.append((name, legal, med, p90, step_med, step_p90))
     return rows

@@ -17,7 +17,9 @@
     print(kl.to_c(s.program()))
 
 Illegal steps raise :class:`IllegalTransformError` (with an explanation naming the broken
-dependence); misapplied ones raise :class:`ScheduleError`.  See ``docs/loops.md``.
+dependence); misapplied ones raise :class:`ScheduleError`.  :func:`measure_runtime` and
+:func:`export_dataset` (timed schedules) come from :mod:`kiln.tuning.schedules`.  See
+``docs/loops.md``.
 """
 
 from kiln.ir.errors import IllegalTransformError, ParseError, ScheduleError
@@ -28,12 +30,12 @@ from kiln.ir.loops import (
 from kiln.ir.loops.cfront import from_c
 from kiln.ir.loops.cgen import to_c
 from kiln.ir.loops.interp import run
-from kiln.ir.loops.native import NativeKernel, compile_c
+from kiln.backends.cpu.native import NativeKernel, compile_c
 from kiln.ir.poly import Dependence, Instance, Verdict, Violation
 from kiln.passes.schedule import (
-    PRIMITIVES, NodeInfo, Schedule, Step, applicable, candidate_steps, export_dataset, measure_runtime, nodes,
-    random_legal_sequence, random_sequence,
+    PRIMITIVES, NodeInfo, Schedule, Step, applicable, candidate_steps, nodes, random_legal_sequence, random_sequence,
 )
+from kiln.tuning.schedules import export_dataset, measure_runtime
 
 parse = parse_program
 """Read the loop-IR text form."""

@@ -523,3 +523,70 @@ def test_cache_switch_is_independent_of_the_backend(cache_dir):
     off = kiln.compile(model, (x,), backend="cpu", capture_cache=False)
     assert states(off) == ("off", "off")
     torch.testing.assert_close(off(x), model(x), rtol=1e-4, atol=1e-6)
+
+
+# ------------------------------------------------- the cache switch is kiln's, not a backend's
+def test_cache_switch_reaches_only_a_backend_that_has_a_cache():
+    from kiln.backends import get_backend
+    from kiln.frontends.options import CacheSwitch
+
+    switch, rest = CacheSwitch.split({"cache": False, "cache_dir": "/tmp/k", "float64": True})
+    assert switch == CacheSwitch(False, "/tmp/k") and rest == {"float64": True}
+    assert switch.for_backend(get_backend("reference"), rest) == {"float64": True}
+    assert switch.for_backend(get_backend("cpu"), {}) == {"cache": False, "cache_dir": "/tmp/k"}
+
+
+def test_capture_cache_opens_from_the_switch_alone(cache_dir, monkeypatch):
+    from kiln.frontends.torch.capture_cache import CaptureCache
+
+    assert CaptureCache.open().enabled and not CaptureCache.open(False).enabled
+    assert CaptureCache.open(directory=str(cache_dir / "d")).documents.directory == cache_dir / "d"
+    monkeypatch.setenv("KILN_CAPTURE_CACHE", "0")
+    assert not CaptureCache.open(True).enabled
+
+
+def test_compile_train_accepts_the_cache_switch_with_the_reference_backend(cache_dir):
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    x, y = torch.randn(3, 4), torch.randn(3, 2)
+    step = kiln.compile_train(model, nn.functional.mse_loss, torch.optim.SGD(model.parameters(), 0.1),
+                              (x, y), backend="reference", cache=False, cache_dir=str(cache_dir / "t"))
+    loss = step(x, y)
+    assert torch.isfinite(torch.as_tensor(loss)).all()
+    assert not (cache_dir / "t").exists()
+
+
+def test_torch_compile_accepts_the_cache_switch_with_the_reference_backend(cache_dir):
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    model, x = seeded(Scaled), torch.randn(4, 8)
+    fast = torch.compile(model, backend="kiln", dynamic=False,
+                         options={"backend": "reference", "cache": False, "strict": True})
+    with torch.no_grad():
+        torch.testing.assert_close(fast(x), model(x), rtol=1e-4, atol=1e-6)
+    torch._dynamo.reset()
+
+
+def test_source_identity_covers_the_frontends(tmp_path, monkeypatch):
+    """Capture code lives in kiln/frontends: changing it must change the passes-cache key."""
+    from kiln.frontends.torch import fingerprint
+
+    for rel in ("__init__.py", "ir/a.py", "passes/b.py", "frontends/torch/c.py", "compiler/d.py"):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text("x = 1\n")
+    monkeypatch.setattr(fingerprint, "_KILN_ROOT", tmp_path)
+
+    def identity() -> str:
+        fingerprint.kiln_source_identity.cache_clear()
+        return fingerprint.kiln_source_identity()
+
+    try:
+        first = identity()
+        (tmp_path / "frontends/torch/c.py").write_text("x = 2\n")
+        assert identity() != first
+        changed = identity()
+        (tmp_path / "__init__.py").write_text('__version__ = "9"\n')  # the version lives here
+        assert identity() != changed
+    finally:
+        fingerprint.kiln_source_identity.cache_clear()

@@ -448,7 +448,7 @@ def test_each_gemm_provider_computes_every_gemm_layout(provider, pack, tmp_path)
     from kiln.backends.cpu import microgemm, toolchain
     from kiln.backends.cpu.backend import build_executable
     from kiln.backends.cpu.gemm import GemmTuner, Operand, blas_providers
-    from kiln.backends.cpu.select import rule_choice
+    from kiln.backends.cpu.library import rule_choice
     from kiln.runtime.cache import CompileCache
 
     cc = toolchain.find_compiler()
@@ -554,9 +554,8 @@ def test_convolution_chains_stay_channels_last_and_kernels_absorb_views():
     """Kernels between channels-last convolutions write NHWC; kernels read the NCHW views
     (and a user permute) through absorbed index arithmetic; poisoned memory catches any
     read of an unwritten cell."""
-    from kiln.backends.cpu.graphplan import build_graph_plan
-    from kiln.backends.cpu.library import _PACKED_CONV
-    from kiln.backends.cpu.select import rule_choice
+    from kiln.backends.cpu.library import _PACKED_CONV, rule_choice
+    from kiln.backends.cpu.partition import build_graph_plan
 
     text = """
 graph @chain(%x: f32[1, 3, 17, 17]) params(%w1: f32[8, 3, 3, 3], %w2: f32[8, 8, 3, 3], %s: f32[8, 1, 1]) {
@@ -622,8 +621,8 @@ graph @twice(%x: f32[5, 16]) params(%w1: f32[16, 16], %w2: f32[16, 16]) {
 
 
 def test_measure_command_runs_and_profiles(capsys):
-    """``python -m kiln.tuning.measure`` (timings) and ``--profile`` (time per kind)."""
-    from kiln.tuning import measure
+    """``python -m benchmarks.measure`` (timings) and ``--profile`` (time per kind)."""
+    from benchmarks import measure
 
     measure.main(["test-mlp", "--runs", "2"])
     table = capsys.readouterr().out

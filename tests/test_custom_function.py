@@ -26,7 +26,7 @@ from kiln.ir import DType, Graph, KilnError, TensorType
 from kiln.ir.parser import parse
 from kiln.passes import default_pipeline
 from kiln.passes.autodiff import grad_graph
-from kiln.passes.custom import inline_custom_vjp
+from kiln.passes.inline_custom_vjp import inline_custom_vjp
 from kiln.zoo.compare import (
     compare_all,
     flatten_outputs,
@@ -492,12 +492,12 @@ def test_compile_train_refuses_an_untraceable_function():
 
 
 def test_dynamo_runs_once_per_function_and_argument_types(monkeypatch):
-    from kiln.frontends.torch import dynamo
+    from kiln.frontends.torch import autograd_function
 
     calls = []
-    trace = dynamo._trace_for_export
-    monkeypatch.setattr(dynamo, "_trace_for_export", lambda *a: calls.append(a[0]) or trace(*a))
-    monkeypatch.setattr(dynamo, "_EXPORTED", {})
+    trace = autograd_function._trace_for_export
+    monkeypatch.setattr(autograd_function, "_trace_for_export", lambda *a: calls.append(a[0]) or trace(*a))
+    monkeypatch.setattr(autograd_function, "_EXPORTED", {})
     torch.manual_seed(0)
     model, x = UsedTwice(), torch.randn(4, 5)  # RoundSigmoid twice on f32[4, 5]
     kiln.compile(model, (x,), backend="reference", capture_cache=False)
@@ -511,17 +511,17 @@ def test_capture_cache_hit_needs_no_registered_function(tmp_path, monkeypatch):
     """A cached capture holds the Function's graphs themselves, never a key into this
     process's registry: with the registry emptied (as in a new process) a hit still trains
     with the user's backward."""
-    from kiln.frontends.torch import dynamo
+    from kiln.frontends.torch import autograd_function
 
     torch.manual_seed(0)
     model, x = TwoLayer(RoundSigmoid), torch.randn(4, 5)
     first = kiln.compile(copy.deepcopy(model), (x,), backend="reference", cache_dir=str(tmp_path))
     assert first.stats["capture_cache"] == "miss"
-    monkeypatch.setattr(dynamo, "_FUNCTIONS", {})
-    monkeypatch.setattr(dynamo, "_EXPORTED", {})
+    monkeypatch.setattr(autograd_function, "_FUNCTIONS", {})
+    monkeypatch.setattr(autograd_function, "_EXPORTED", {})
     compiled, _ = _export_train_check(model, x, "reference", cache_dir=str(tmp_path))
     assert compiled.stats["capture_cache"] == "hit"
-    assert not dynamo._FUNCTIONS and not dynamo._EXPORTED  # nothing traced, nothing looked up
+    assert not autograd_function._FUNCTIONS and not autograd_function._EXPORTED  # nothing traced, nothing looked up
 
 
 # -------------------------------------------------------- in-place writes are never dropped

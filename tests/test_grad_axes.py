@@ -509,10 +509,12 @@ def test_attention_forms(backend, kiln_runs):
 def flash_kept(monkeypatch):
     """Capture with torch's fused CPU attention kept whole (kiln's own rule lowers it)
     instead of torch's decomposition of it."""
-    from kiln.frontends.torch import capture
+    import dataclasses
 
-    monkeypatch.setattr(capture, "_KEPT_OPS",
-                        (*capture._KEPT_OPS, "_scaled_dot_product_flash_attention_for_cpu.default"))
+    from kiln.frontends.torch.aten import ATEN_TABLE
+
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    monkeypatch.setitem(ATEN_TABLE, flash, dataclasses.replace(ATEN_TABLE[flash], keep=True))
 
 
 @pytest.mark.parametrize("backend", ["reference", pytest.param("cpu", marks=pytest.mark.slow)])

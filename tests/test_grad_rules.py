@@ -114,7 +114,7 @@ TABLE += [
     g("entr", pos(2, 3)), g("zeta", ints(2, 3, lo=2, hi=5), pos(3)),
     g("igamma", ints(2, 3, lo=1, hi=4), pos(3)), g("igammac", ints(2, 3, lo=1, hi=4), pos(3)),
     g("inv", f(2, 3, 3) + 3 * np.eye(3, dtype=np.float32)), g("det", f(3, 3) + 2 * np.eye(3, dtype=np.float32)),
-    # factorizations (kiln/ir/ops/linalg.py); symmetric inputs are read with triangle="both",
+    # factorizations (kiln/ir/ops/linalg.py, factorizations.py); symmetric inputs are read with triangle="both",
     # whose derivative is the rule's symmetric gradient exactly
     g("triangular_solve", f(2, 3, 3) + 3 * np.eye(3, dtype=np.float32), f(3, 2), upper=True),
     g("triangular_solve", f(3, 3) + 3 * np.eye(3, dtype=np.float32), f(2, 4, 3), upper=False, left=False,
@@ -194,7 +194,7 @@ TABLE += [
     g("index_put", f(4, 3), f(2, 3), ints(2, hi=4), dims=(0,), accumulate=True),
     g("index_put", f(4, 3), f(3), np.array([2, 0], np.int64), dims=(0,)),
     g("tril", f(3, 4), diagonal=1), g("triu", f(2, 3, 3)), g("repeat", f(2, 3), repeats=(2, 1, 2)),
-    # sorting, scans and scatters (kiln/ir/ops/sorting.py, indexing.py)
+    # sorting, scans and scatters (kiln/ir/ops/sorting.py, scatter.py)
     g("cumprod", f(3, 4), dim=1), g("cumprod", np.array([[0.5, 0.0, 2.0, 1.5], [0.0, 1.2, 0.0, -2.0]],
                                                        np.float32), dim=-1),
     g("scatter", f(3, 4), np.array([[0, 2, 1, 2], [1, 0, 0, 1]], np.int64), f(2, 5), dim=0),

@@ -1,4 +1,4 @@
-"""Matrix factorizations and solvers (kiln/ir/ops/linalg.py, kiln/frontends/torch/aten_linalg.py)
+"""Matrix factorizations and solvers (kiln/ir/ops/linalg.py, factorizations.py, kiln/frontends/torch/aten_linalg.py)
 end to end against PyTorch eager.
 
 Each case is a torch function of well-conditioned matrices.  Forward: compiled with

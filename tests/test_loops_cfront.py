@@ -8,7 +8,7 @@ import pytest
 import kiln.loops as kl
 from kiln.ir.errors import ParseError
 from kiln.ir.loops.interp import buffer_shape
-from kiln.ir.loops.native import compiler
+from kiln.backends.cpu.toolchain import c_compiler as compiler
 
 needs_cc = pytest.mark.skipif(compiler() is None, reason="no C compiler")
 

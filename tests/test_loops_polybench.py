@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import kiln.loops as kl  # noqa: E402
 from kiln.ir.errors import IllegalTransformError  # noqa: E402
-from kiln.ir.loops.native import compiler  # noqa: E402
+from kiln.backends.cpu.toolchain import c_compiler as compiler  # noqa: E402
 from polybench import PARAMS, inputs, load  # noqa: E402
 from polybench.bruteforce import judge  # noqa: E402
 

@@ -19,7 +19,7 @@ import kiln.loops as kl
 from kiln.backends.reference import run_graph
 from kiln.ir import DType, Graph, Node, TensorType, builtin_ops, get_op
 from kiln.ir.loops import Load, Loop, Reduce, Store, Var, loads_of
-from kiln.ir.loops.native import compiler
+from kiln.backends.cpu.toolchain import c_compiler as compiler
 from kiln.ir.ops.compute import INLINE_COST, LoweringError, reshape_index, sanitize
 from kiln.passes.lower import LoweredKernel, fuse_nests, lower_graph_kernels, lower_node
 from tests.test_ops import CASES, Case

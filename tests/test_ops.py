@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from kiln.ir import DType, Graph, OpTypeError, SymDim, TensorType, builtin_ops, get_op
-from kiln.ir.ops.layout import NNZ
+from kiln.ir.ops.indexing import NNZ
 from kiln.ir.parser import parse
 
 rng = np.random.default_rng(0)

@@ -1,4 +1,5 @@
-"""Backends: the protocol and registry (:mod:`kiln.backends.base`) and the backends.
+"""Backends: the protocol and registry (:mod:`kiln.backends.base`), the device-neutral core
+of code-generating backends (:mod:`kiln.backends.common`) and the backends.
 
 ``reference`` (numpy, op by op) and ``cpu`` (generated C + OpenMP, :mod:`kiln.backends.cpu`)
 are registered here; later backends register the same way.

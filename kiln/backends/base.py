@@ -17,6 +17,11 @@ Backends register a zero-argument factory under a name, so a backend's heavy imp
 
 Each backend declares its options with their defaults in ``option_defaults``; unknown
 options are rejected with the list of known ones.
+
+:meth:`Backend.supports` says whether a backend can run a node; a graph holding a node it
+cannot run is refused at build time with :func:`unsupported_node`'s error, which names the
+op, its operand types and how to go on.  Backends that generate code build on the
+device-neutral core in :mod:`kiln.backends.common` (``docs/backends.md``).
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from typing import Any, ClassVar, Protocol
 import numpy as np
 import torch
 
-from kiln.ir import Graph, KilnError
+from kiln.ir import Graph, KilnError, Node
 from kiln.runtime.tensors import from_numpy, to_numpy
 
 DEFAULT_BACKEND = "cpu"
@@ -46,13 +51,18 @@ class Executable(Protocol):
 
 
 class Backend:
-    """Base class of backends: a ``name``, declared options, and :meth:`build`."""
+    """Base class of backends: a ``name``, declared options, :meth:`supports` and :meth:`build`."""
 
     name: ClassVar[str] = ""
     option_defaults: ClassVar[Mapping[str, Any]] = {}
 
     def build(self, graph: Graph, options: Mapping[str, Any] | None = None) -> Executable:
         """Compile ``graph``; the result runs it on torch tensors (see the module docstring)."""
+        raise NotImplementedError
+
+    def supports(self, node: Node) -> bool:
+        """Whether this backend can run ``node`` (on its device, or on the host when the
+        backend runs such nodes there itself)."""
         raise NotImplementedError
 
     def resolve_options(self, options: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -69,6 +79,19 @@ class Backend:
 
     def __repr__(self) -> str:
         return f"<kiln backend '{self.name}'>"
+
+
+def unsupported_node(backend: str, node: Node) -> BackendError:
+    """The error for a node that backend ``backend`` cannot run: the node, its op and operand
+    types, and how to go on."""
+    outputs = ", ".join(f"%{v.name}" for v in node.outputs)
+    types = ", ".join(str(v.type) for v in node.inputs)
+    others = ", ".join(name for name in available_backends() if name != backend) or "none"
+    return BackendError(
+        f"kiln backend '{backend}' cannot run {outputs} = {node.op_name}({types}): it has no "
+        f"implementation of op '{node.op_name}'; build with a backend that runs it (others: {others}), "
+        f"give the op a compute definition or a reference implementation, or add it to the "
+        f"backend's library table")
 
 
 BackendFactory = Callable[[], Backend]
@@ -114,6 +137,10 @@ class ReferenceBackend(Backend):
     name: ClassVar[str] = "reference"
     option_defaults: ClassVar[Mapping[str, Any]] = {"float64": False}
 
+    def supports(self, node: Node) -> bool:
+        """Every op with a reference implementation."""
+        return node.op.reference is not None
+
     def build(self, graph: Graph, options: Mapping[str, Any] | None = None) -> Executable:
         opts = self.resolve_options(options)
         dynamic = [v for v in (*graph.inputs, *graph.params) if not v.type.is_static]
@@ -122,6 +149,9 @@ class ReferenceBackend(Backend):
                 f"kiln backend 'reference' runs static shapes only; %{dynamic[0].name} has type "
                 f"{dynamic[0].type}; capture with concrete example inputs"
             )
+        for node in graph.nodes:
+            if not self.supports(node):
+                raise unsupported_node(self.name, node)
         return ReferenceExecutable(graph, float64=bool(opts["float64"]))
 
 

@@ -22,8 +22,11 @@ branch on a tensor value; complex inputs (kiln has no complex dtypes) raise ``Ki
 
 The passes' result is cached too, keyed by the captured graph's text and the pipeline text.
 A hit needs a fingerprint that describes everything the program's code can read (see
-:mod:`kiln.frontends.torch.fingerprint`); turn the cache off with ``cache=False`` or
-``capture_cache=False`` (any backend) or ``KILN_CAPTURE_CACHE=0``.  ``compiled.stats["capture_cache"]`` and
+:mod:`kiln.frontends.torch.fingerprint`).  The cache switches are arguments of
+:func:`compile`, not backend options, and every backend accepts them: ``cache=False`` turns
+off every cache kiln has (this one and the backend's compile cache, where the backend has
+one; :mod:`kiln.frontends.options`), ``capture_cache=False`` this one only, and
+``KILN_CAPTURE_CACHE=0`` this one in every compile.  ``compiled.stats["capture_cache"]`` and
 ``["passes_cache"]`` say ``"hit"``, ``"miss"``, ``"off"`` or ``"uncacheable"``.
 
 Either way the result is a :class:`~kiln.runtime.CompiledModule`: called like the model,
@@ -47,20 +50,23 @@ from torch.export.graph_signature import InputKind, OutputKind
 
 from kiln.backends import DEFAULT_BACKEND, Backend, get_backend
 from kiln.ir import Graph, KilnError
-from kiln.passes.pipeline import PassTransform, resolve_passes  # noqa: F401  (re-exported)
+from kiln.passes.pipeline import GraphTransform, PassTransform, resolve_passes  # noqa: F401  (re-exported)
 from kiln.runtime import CompiledModule, InputSlot, tensor_type
 
+from kiln.frontends.errors import CaptureError, UnsupportedOpError
+from kiln.frontends.options import CacheSwitch
 from kiln.frontends.torch import capture as capture_mod
 from kiln.frontends.torch.aten import has_kiln_dtype
 from kiln.frontends.torch.autograd import DifferentiableGraph, GradModeRunner, TrainableCompiledModule
 from kiln.frontends.torch.capture_cache import CaptureCache
-from kiln.frontends.errors import CaptureError, UnsupportedOpError
-from kiln.frontends.torch.fallback import CompiledFx, GraphTransform, compile_fx, unsupported_nodes
+from kiln.frontends.torch.fallback import CompiledFx, compile_fx, unsupported_nodes
 
 
 def compile(model_or_function: torch.nn.Module | Callable[..., Any], example_inputs: Any,
             backend: str | Backend = DEFAULT_BACKEND, *, passes: Any = "default", strict: bool = False,
-            example_kwargs: Mapping[str, Any] | None = None, **options: Any) -> CompiledModule:
+            example_kwargs: Mapping[str, Any] | None = None, cache: bool = True,
+            cache_dir: str | None = None, capture_cache: bool | None = None,
+            **options: Any) -> CompiledModule:
     """Compile a module or function for inference with kiln (see the module docstring).
 
     Args:
@@ -78,38 +84,42 @@ def compile(model_or_function: torch.nn.Module | Callable[..., Any], example_inp
         strict: raise :class:`UnsupportedOpError` instead of running unsupported ops in
             PyTorch.
         example_kwargs: keyword arguments of the example call.
-        **options: options of the backend, e.g. ``float64=True`` for ``"reference"``; with
-            any backend, ``cache=False`` turns the capture cache off (and the backend's
-            compile cache, where it has one), ``capture_cache=False`` the capture cache
-            only, and ``cache_dir`` is the folder of both.
+        cache: ``False`` turns off every cache kiln has: the capture cache and the backend's
+            compile cache, where the backend has one (a backend without one ignores it).
+        cache_dir: the folder of those caches (default ``KILN_CACHE_DIR`` or
+            ``~/.cache/kiln``).
+        capture_cache: ``False`` turns off the capture cache only (default: as ``cache``).
+        **options: options of the backend, e.g. ``float64=True`` for ``"reference"``.
     """
     module = as_module(model_or_function)
     args = as_args(example_inputs)
     kwargs = dict(example_kwargs or {})
     builder = get_backend(backend)
-    cache = CaptureCache.for_options(options)  # cache, cache_dir, capture_cache: any backend
-    options = CaptureCache.backend_options(options, builder)
+    switch = CacheSwitch(bool(cache), cache_dir)
+    options = switch.for_backend(builder, options)
     builder.resolve_options(options)  # reject unknown options before the slow export
+    captures = CaptureCache.open(switch.enabled if capture_cache is None else bool(capture_cache),
+                                 cache_dir)
     transform = resolve_passes(passes)
     name = _model_name(model_or_function)
-    key = cache.capture_key(module, args, kwargs, name)
-    captured = cache.load_capture(key, module)
+    key = captures.capture_key(module, args, kwargs, name)
+    captured = captures.load_capture(key, module)
     if captured is not None:
-        return _compile_whole(captured, args, kwargs, builder, options, transform, name, cache, "hit")
+        return _compile_whole(captured, args, kwargs, builder, options, transform, name, captures, "hit")
     ep = _export(module, args, kwargs)
-    state = "miss" if key is not None else ("uncacheable" if cache.enabled else "off")
+    state = "miss" if key is not None else ("uncacheable" if captures.enabled else "off")
     if strict:  # capture raises the first unsupported node's UnsupportedOpError
         captured = capture_mod.capture_program(ep, name=name)
-        cache.store_capture(key, captured)
-        return _compile_whole(captured, args, kwargs, builder, options, transform, name, cache, state)
+        captures.store_capture(key, captured)
+        return _compile_whole(captured, args, kwargs, builder, options, transform, name, captures, state)
     if not unsupported_nodes(ep.graph_module):
         try:
             captured = capture_mod.capture_program(ep, name=name)
         except (UnsupportedOpError, CaptureError):
             pass  # e.g. an in-place buffer update, which the fallback runner applies
         else:
-            cache.store_capture(key, captured)
-            return _compile_whole(captured, args, kwargs, builder, options, transform, name, cache, state)
+            captures.store_capture(key, captured)
+            return _compile_whole(captured, args, kwargs, builder, options, transform, name, captures, state)
     ep = capture_mod.decompose_program(ep)  # the fallback runs the functional, decomposed program
     return _compile_with_fallback(module, ep, args, kwargs, builder, options, transform, name)
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import statistics
 import sys
 import time
 import warnings
@@ -23,6 +22,7 @@ import torch
 from torch import nn
 
 from kiln.backends import DEFAULT_BACKEND, available_backends
+from kiln.runtime.timing import best_time
 
 
 class DemoMLP(nn.Module):
@@ -77,13 +77,8 @@ def _models() -> list[tuple[str, nn.Module, tuple[torch.Tensor, ...]]]:
 
 
 def _median_ms(fn: Callable[[], Any], runs: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(runs):
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
+    """The median of ``runs`` timed calls after one warm-up call, in milliseconds."""
+    return best_time(fn, repeat=runs, warmup=1, statistic="median") * 1e3
 
 
 def _errors(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float]:

@@ -75,6 +75,7 @@ from kiln.passes.remat import rematerialize
 from kiln.runtime import InputMismatchError, tensor_type
 from kiln.runtime.module import BUFFER_UPDATE_PREFIX, StateBinding, buffer_updates
 
+from kiln.frontends.options import CacheSwitch
 from kiln.frontends.torch import capture as capture_mod
 from .api import as_args, resolve_passes
 
@@ -99,7 +100,8 @@ def compile_train(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor],
                   optimizer: torch.optim.Optimizer, example_inputs: Any, *,
                   num_targets: int | None = None, amp: str | None = None,
                   scaler: LossScaler | None = None, backend: str | Backend = DEFAULT_BACKEND,
-                  passes: Any = "default", remat: bool = False, **options: Any) -> TrainStep:
+                  passes: Any = "default", remat: bool = False, cache: bool = True,
+                  cache_dir: str | None = None, **options: Any) -> TrainStep:
     """Compile one training step of ``model`` (see the module docstring).
 
     Args:
@@ -113,8 +115,10 @@ def compile_train(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor],
         scaler: the :class:`~kiln.passes.amp.LossScaler` for float16 (default:
             ``torch.amp.GradScaler``'s defaults); given with another ``amp`` (or none) it
             turns loss scaling on there too.
-        backend, passes, **options: as for :func:`kiln.compile` (``"default"``: the default
-            pipeline, fusion included, over the whole step).
+        backend, passes, cache, cache_dir, **options: as for :func:`kiln.compile`
+            (``"default"``: the default pipeline, fusion included, over the whole step;
+            a training step has no capture cache, so ``cache`` and ``cache_dir`` reach the
+            backend's compile cache only, where the backend has one).
         remat: recompute cheap forward values in the backward so the memory plan can reuse
             their buffers; same results, lower planned peak.  It runs after ``passes``; with
             the default pipeline, between its clean-ups and its fusion, so the recomputations
@@ -128,6 +132,7 @@ def compile_train(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor],
                         f"{len(args)} entries (model inputs followed by targets)")
     low = low_dtype(amp) if amp is not None else None
     backend_impl = get_backend(backend)
+    options = CacheSwitch(bool(cache), cache_dir).for_backend(backend_impl, options)
     backend_impl.resolve_options(options)  # unknown options fail before the slow export
     wrapper = _LossModule(model, loss_fn, len(args) - targets)
     captured = capture_mod.capture_program(capture_mod.export_program(wrapper, args),

@@ -1,13 +1,18 @@
 """The op registry: every op kiln knows is declared here once, with all its rules.
 
 An :class:`OpDef` carries the attribute schema, shape/dtype inference (run whenever a node
-is built) and a numpy reference implementation.  Later layers hang more rules on the same
-declaration instead of switching on op names elsewhere:
+is built) and a numpy reference implementation.  Every other rule about the op hangs on the
+same declaration, so no pass or backend keeps a list of op names:
 
-* ``vjp``      -- gradient rule (autodiff),
-* ``amp``      -- mixed-precision policy: ``"low"``, ``"float32"`` or ``"follow"``,
-* ``compute``  -- element-wise compute definition used to lower to loop IR,
-* ``cost``     -- FLOP / byte estimate.
+* ``traits``    -- facts passes read (``elementwise``, ``view`` = the result aliases the
+  operand's memory, ``reduction``, ...; see :attr:`OpDef.traits`),
+* ``vjp``       -- gradient rule (autodiff, :mod:`kiln.ir.ops.vjp`),
+* ``amp``       -- mixed-precision policy: ``"low"``, ``"float32"`` or ``"follow"``,
+* ``compute``   -- element-wise compute definition used to lower to loop IR
+  (:mod:`kiln.ir.ops.compute`),
+* ``decompose`` -- the op written with simpler ops (the ``decompose`` pass),
+* ``cost``      -- estimated FLOPs (the pass-ordering cost model; helpers in
+  :mod:`kiln.ir.ops.cost`).
 
 Implementations live with the backends: a backend's library table names the ops it has a
 library call for (e.g. :data:`kiln.backends.cpu.library.LIBRARY`); an op never names a backend.
@@ -20,6 +25,12 @@ Declaring an op::
 
 The reference function receives the operand arrays positionally and the attributes as
 keyword arguments, and returns one array or a tuple of arrays (one per result).
+
+A decomposition ``decompose(b, node) -> Sequence[Value]`` receives a
+:class:`~kiln.ir.builder.GraphBuilder` that inserts before ``node`` and returns one value
+per result, each of exactly that result's type.  A cost ``cost(input_types, output_types,
+**attrs) -> float`` gives the op's floating-point operations from its operand and result
+types and its attributes.
 """
 
 from __future__ import annotations
@@ -35,6 +46,9 @@ _REQUIRED = object()
 
 ATTR_KINDS = ("int", "float", "bool", "str", "ints", "floats", "dtype", "graph", "scalar", "any")
 
+AXES_FORMS: dict[str, str] = {"axis": "int", "seq": "ints", "set": "ints"}
+"""Form of an attribute that holds axes -> the attribute kind it needs (see :class:`Attr`)."""
+
 
 @dataclass(frozen=True)
 class Attr:
@@ -43,15 +57,26 @@ class Attr:
     Kinds: ``int``, ``float`` (ints accepted), ``bool``, ``str``, ``ints`` (tuple of int),
     ``floats``, ``dtype``, ``graph`` (a nested :class:`~kiln.ir.graph.Graph`), ``scalar``
     (int, float or bool) and ``any``.  ``optional`` admits ``None``.
+
+    ``axes`` marks an attribute that holds axes of the op's first operand (negative ones
+    count from the end): ``"axis"`` one axis (kind ``int``), ``"seq"`` an ordered sequence
+    of axes whose order matters (kind ``ints``, e.g. ``permute``'s ``dims``) or ``"set"`` an
+    unordered set of axes (kind ``ints``, e.g. a reduction's ``dims``).  ``canonicalize``
+    makes such axes non-negative, and sorts and deduplicates sets.
     """
 
     kind: str
     default: Any = _REQUIRED
     optional: bool = False
+    axes: str | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in ATTR_KINDS:
             raise ValueError(f"unknown attribute kind {self.kind!r}")
+        if self.axes is not None and AXES_FORMS.get(self.axes) != self.kind:
+            forms = ", ".join(f"{f!r} (kind {k!r})" for f, k in AXES_FORMS.items())
+            raise ValueError(f"axes={self.axes!r} on an attribute of kind {self.kind!r}; "
+                             f"axes forms: {forms}")
 
     @property
     def required(self) -> bool:
@@ -96,6 +121,10 @@ class Attr:
 
 
 InferFn = Callable[..., "TensorType | Sequence[TensorType]"]
+DecomposeFn = Callable[..., Sequence[Any]]
+"""``decompose(builder, node) -> Sequence[Value]``: one value per result of ``node``."""
+CostFn = Callable[..., float]
+"""``cost(input_types, output_types, **attrs) -> float``: estimated FLOPs."""
 
 
 @dataclass
@@ -109,18 +138,42 @@ class OpDef:
     num_inputs: int | tuple[int, int | None] = 1
     """Exact operand count, or ``(min, max)`` with ``max=None`` for variadic ops."""
     traits: frozenset[str] = frozenset()
-    """``elementwise``, ``commutative``, ``reduction``, ``view``, ``creation``, ``matmul``,
-    ``conv``, ``random`` (impure), ``composite`` (has a decomposition), ``normalization``
-    (reduces along axes and broadcasts back to the input shape: softmax, layer norm) and
-    ``pointwise`` (each result element reads only the operand elements at its position and
-    per-channel parameters, without numpy broadcasting: inference batch norm).  Fusion
-    groups ``normalization`` ops like reductions and ``pointwise`` ops like elementwise ones."""
+    """``elementwise``, ``commutative``, ``reduction``, ``view`` (the result may alias the
+    operand's memory: references may return views of it),
+    ``creation``, ``matmul``, ``conv``, ``random`` (impure), ``composite`` (one op for a
+    computation of several simpler ones; :attr:`decompose` expands it where given),
+    ``normalization`` (reduces along axes and broadcasts back to the input shape: softmax,
+    layer norm) and ``pointwise`` (each result element reads only the operand elements at
+    its position and per-channel parameters, without numpy broadcasting: inference batch
+    norm).  Fusion groups ``normalization`` ops like reductions and ``pointwise`` ops like
+    elementwise ones.
+
+    Facts single passes rely on (an op without the trait is treated as not having the
+    property):
+
+    * ``nonnegative`` -- every element of a floating-point result is ``>= 0`` or NaN, for
+      any operands (a negative zero counts as ``>= 0``): exp, sqrt, sigmoid, abs, relu,
+      softmax (not rsqrt: ``rsqrt(-0.0)`` is ``-inf``); ``simplify`` drops ``exp(log(x))``
+      of such an ``x``;
+    * ``copy`` -- each result element is an operand element, moved or converted, or a
+      constant, at positions fixed by the attributes and shapes (cat, pad, flip, tril,
+      repeat, cast): cheap to recompute, so ``remat`` may recompute it;
+    * ``replayable`` -- a ``random`` op whose result is a pure function of its seed operand
+      and attributes (a counter-based draw): a clone draws the same bits, so ``remat`` may
+      recompute it within one call of a graph;
+    * ``whole_view`` -- a ``view`` whose result reads every element of its operand, at
+      positions fixed by its attributes (permute, reshape, expand): elementwise ops commute
+      with it (``ew(view(a)) == view(ew(a))``) and touch no more elements before it than
+      after it, so ``sink-views`` moves it past them."""
     doc: str = ""
-    # Rules added by later layers, all optional.
+    # Rules read by later layers, all optional.
     vjp: Callable[..., Any] | None = None
     amp: str | None = None
     compute: Callable[..., Any] | None = None
-    cost: Callable[..., Any] | None = None
+    decompose: DecomposeFn | None = None
+    """The op written with simpler ops (see the module docstring); ``None``: none."""
+    cost: CostFn | None = None
+    """Estimated FLOPs (see the module docstring); ``None``: the cost model's default."""
 
     def has(self, trait: str) -> bool:
         return trait in self.traits

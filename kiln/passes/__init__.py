@@ -2,11 +2,13 @@
 
 Importing this package registers the built-in passes (``dce``, ``cse``, ``fold``,
 ``simplify``, ``canonicalize``, ``sink-views``, ``composites``, ``fuse``, ``amp``, ``remat``,
-``decompose``, ``recompute``, ``inline-custom-vjp``), each from the module named after it.
-See ``docs/passes.md`` (``amp``, ``remat``: ``docs/training.md``).
+``decompose``, ``recompute``, ``inline-custom-vjp``), each from the module named after it:
+:func:`~kiln.passes.base.load_passes` imports every module of this folder, so a new pass
+module is registered without being named here.  See ``docs/passes.md`` (``amp``,
+``remat``: ``docs/training.md``).
 """
 
-from kiln.passes.base import Pass, PassResult, get_pass, register_pass, registered_passes
+from kiln.passes.base import Pass, PassResult, get_pass, load_passes, register_pass, registered_passes
 from kiln.passes.manager import (
     DUMP_ENV_VAR,
     PassError,
@@ -31,11 +33,8 @@ from kiln.passes.pattern import (
     rewrite,
 )
 
-# Built-in passes register themselves on import.
-from kiln.passes import canonicalize, composites, cse, dce, fold, fusion, simplify, sink_views  # noqa: E402,F401  isort: skip
-from kiln.passes import amp, decompose, recompute, remat  # noqa: E402,F401  isort: skip
-from kiln.passes import custom  # noqa: E402,F401  (registers "inline-custom-vjp")
-from kiln.passes.pipeline import DEFAULT_PIPELINE, default_pipeline  # noqa: E402
+load_passes()  # every pass module of this folder registers its passes
+from kiln.passes.pipeline import DEFAULT_ORDER, DEFAULT_PIPELINE, default_pipeline  # noqa: E402
 
 
 def learned_pipeline(*args, **options):
@@ -48,10 +47,10 @@ def learned_pipeline(*args, **options):
 
 
 __all__ = [
-    "DEFAULT_PIPELINE", "DUMP_ENV_VAR", "Builder", "Match", "Pass", "PassError", "PassManager",
+    "DEFAULT_ORDER", "DEFAULT_PIPELINE", "DUMP_ENV_VAR", "Builder", "Match", "Pass", "PassError", "PassManager",
     "PassResult", "PassStats", "Pat", "PatternPass", "PipelineSyntaxError", "Rewrite",
     "RewriteError", "any_value", "apply_patterns", "const", "default_pipeline", "get_pass",
-    "learned_pipeline",
+    "learned_pipeline", "load_passes",
     "op", "parse_pipeline", "pattern_pass", "pipeline_text", "register_pass",
     "registered_passes", "rewrite",
 ]

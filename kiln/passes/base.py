@@ -16,14 +16,23 @@ A new pass::
             g = graph.clone()
             ...
             return PassResult(g, changed)
+
+A pass is found by name once its module is imported, and :func:`load_passes` imports every
+module directly in the ``kiln/passes/`` folder the first time the registry is read
+(``kiln.passes`` does so on import), so a new pass module needs no import elsewhere.  To
+run it in the default pipeline too, give it ``default_before = "<pass>"`` (see
+:mod:`kiln.passes.pipeline`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
+import pkgutil
 import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, ClassVar
 
 from kiln.ir import Graph
@@ -40,6 +49,9 @@ class Pass:
     """Base class. Subclasses are frozen dataclasses whose fields are the pass options."""
 
     name: ClassVar[str] = ""
+    default_before: ClassVar[str | None] = None
+    """The pass before whose first run the default pipeline also runs this one (``None``:
+    not in the default pipeline unless :data:`kiln.passes.pipeline.DEFAULT_ORDER` names it)."""
 
     def run(self, graph: Graph) -> PassResult:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -78,6 +90,24 @@ _BARE_STRING = re.compile(r"[A-Za-z_][A-Za-z0-9_.\-]*")
 
 
 _PASSES: dict[str, type[Pass]] = {}
+_LOADED = False
+
+
+def load_passes() -> None:
+    """Import every module directly in the ``kiln/passes/`` folder, once, so that every pass
+    registered there is in the registry whichever module was imported first.
+
+    Safe to call while those modules are being imported (a module that reads the registry
+    at import, such as :mod:`kiln.passes.pipeline`, calls it): the imports already under
+    way are skipped and the others run.
+    """
+    global _LOADED
+    if _LOADED:
+        return
+    for info in pkgutil.iter_modules([str(Path(__file__).parent)]):
+        if not info.ispkg and not info.name.startswith("_"):
+            importlib.import_module(f"{__package__}.{info.name}")
+    _LOADED = True
 
 
 def register_pass(cls: type[Pass]) -> type[Pass]:
@@ -91,6 +121,8 @@ def register_pass(cls: type[Pass]) -> type[Pass]:
 
 
 def get_pass(name: str, **options: Any) -> Pass:
+    """The pass registered as ``name``, configured with ``options``."""
+    load_passes()
     try:
         cls = _PASSES[name]
     except KeyError:
@@ -99,4 +131,6 @@ def get_pass(name: str, **options: Any) -> Pass:
 
 
 def registered_passes() -> dict[str, type[Pass]]:
+    """Every registered pass by name (the modules of ``kiln/passes/`` loaded first)."""
+    load_passes()
     return dict(_PASSES)

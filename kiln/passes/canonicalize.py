@@ -5,10 +5,11 @@ The rules:
 * Operands of commutative two-operand ops (trait ``commutative``) are ordered: constants
   (graph constants and ``full`` results) second, otherwise by definition order (inputs,
   params, constants, then node results in graph order).
-* Axis attributes are non-negative: ``dim``/``dims`` of the ops in :data:`AXIS_ATTRS` are
-  taken modulo the rank of the first operand; axis *sets* (reduction dims, flip dims) are
-  also sorted and deduplicated; ``select``'s ``index`` is made non-negative and ``slice``'s
-  ``start``/``end`` are clamped into ``[0, size]`` (static sizes only).
+* Axis attributes are non-negative: the attributes an op declares with ``axes=`` (see
+  :class:`kiln.ir.Attr`; the table is :func:`axis_attrs`) are taken modulo the rank of the
+  first operand; axis *sets* (reduction dims, flip dims) are also sorted and deduplicated;
+  ``select``'s ``index`` is made non-negative and ``slice``'s ``start``/``end`` are clamped
+  into ``[0, size]`` (static sizes only; these two rules name their ops).
 * ``reshape`` and ``expand`` spell out their result shape (no ``-1``).
 * ``permute`` by the identity, and ``reshape``/``expand``/``slice`` results with the
   operand's own shape, are removed.
@@ -26,7 +27,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from kiln.ir import Graph, Node, Value
+from kiln.ir import Graph, Node, Value, all_ops
 from kiln.passes.base import PassResult, register_pass
 from kiln.passes.pattern import (
     FLOAT_DTYPES,
@@ -44,37 +45,34 @@ from kiln.passes.pattern import (
 )
 from kiln.passes.simplify import identity_permute, view_to_same_shape
 
-_REDUCTIONS = ("sum", "mean", "amax", "amin", "prod", "var", "any", "all")
-AXIS_ATTRS: dict[str, tuple[str, str]] = {
-    **{name: ("dims", "set") for name in _REDUCTIONS},
-    "flip": ("dims", "set"),
-    "permute": ("dims", "seq"),
-    "index": ("dims", "seq"),
-    **{name: ("dim", "axis") for name in (
-        "argmax", "argmin", "cumsum", "softmax", "log_softmax", "slice", "select", "cat",
-        "gather", "index_select")},
-}
-"""Op name -> (attribute, form): ``axis`` one axis (``None`` allowed), ``seq`` an ordered
-list of axes, ``set`` an unordered set of axes.  Axes count in the first operand's rank."""
+def axis_attrs() -> dict[str, dict[str, str]]:
+    """Op name -> {attribute: form} for every registered op with attributes declared
+    ``Attr(..., axes=form)``: ``axis`` one axis (``None`` allowed), ``seq`` an ordered list
+    of axes, ``set`` an unordered set of axes.  Axes count in the first operand's rank."""
+    table: dict[str, dict[str, str]] = {}
+    for name, opdef in all_ops().items():
+        forms = {key: spec.axes for key, spec in opdef.attrs.items() if spec.axes is not None}
+        if forms:
+            table[name] = forms
+    return table
 
 
 def _normal_axes(node: Node) -> dict[str, Any]:
     """``node``'s attributes with axes, select index and slice bounds in canonical form."""
     attrs = dict(node.attrs)
-    entry = AXIS_ATTRS.get(node.op_name)
-    if entry is None or not node.inputs:
+    forms = {key: spec.axes for key, spec in node.op.attrs.items()
+             if spec.axes is not None and attrs.get(key) is not None}
+    if not forms or not node.inputs:
         return attrs
-    key, form = entry
     rank = max(node.inputs[0].type.rank, 1)
-    value = attrs.get(key)
-    if value is None:
-        return attrs
-    if form == "axis":
-        attrs[key] = value % rank
-    elif form == "seq":
-        attrs[key] = tuple(d % rank for d in value)
-    else:
-        attrs[key] = tuple(sorted({d % rank for d in value}))
+    for key, form in forms.items():
+        value = attrs[key]
+        if form == "axis":
+            attrs[key] = value % rank
+        elif form == "seq":
+            attrs[key] = tuple(d % rank for d in value)
+        else:
+            attrs[key] = tuple(sorted({d % rank for d in value}))
     if node.op_name == "select":
         size = node.inputs[0].shape[attrs["dim"]]
         if isinstance(size, int) and size > 0:
@@ -98,8 +96,7 @@ def _has_noncanonical_axes(v: Value) -> bool:
     return node is not None and _normal_axes(node) != node.attrs
 
 
-@rewrite(op(tuple(AXIS_ATTRS), where=_has_noncanonical_axes))
-def normalize_axes(m: Match, b: Builder) -> Value | Sequence[Value] | None:
+def _normalize_axes(m: Match, b: Builder) -> Value | Sequence[Value] | None:
     node = m.root
     new = b.node(node.op_name, node.inputs, _normal_axes(node))
     return new.outputs
@@ -121,9 +118,14 @@ def sub_const_to_add(m: Match, b: Builder) -> Value | None:
     return out if out.type == m.value.type else None
 
 
-CANONICALIZE_REWRITES: tuple[Rewrite, ...] = (
-    normalize_axes, explicit_view_shape, identity_permute, view_to_same_shape, sub_const_to_add,
-)
+def canonicalize_rewrites() -> tuple[Rewrite, ...]:
+    """The rewrites of the pass; axis normalization covers every registered op that declares
+    an attribute with ``axes=`` (:func:`axis_attrs`)."""
+    normalize_axes = Rewrite("normalize_axes",
+                             op(tuple(sorted(axis_attrs())), where=_has_noncanonical_axes),
+                             _normalize_axes)
+    return (normalize_axes, explicit_view_shape, identity_permute, view_to_same_shape,
+            sub_const_to_add)
 
 
 def order_commutative_operands(graph: Graph) -> bool:
@@ -156,7 +158,7 @@ class Canonicalize(PatternPass):
     name: ClassVar[str] = "canonicalize"
 
     def rewrites(self) -> Sequence[Rewrite]:
-        return CANONICALIZE_REWRITES
+        return canonicalize_rewrites()
 
     def run(self, graph: Graph) -> PassResult:
         rewritten = apply_patterns(graph, self.rewrites(), max_rounds=self.max_rounds)

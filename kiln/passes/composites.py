@@ -212,10 +212,10 @@ def _rewrites(name: str, patterns: Sequence[Pat], fn: RewriteFn) -> list[Rewrite
     return [Rewrite(f"{name}[{i}]", p, fn) for i, p in enumerate(patterns)]
 
 
-def _norm_affine_rewrites(kinds: tuple[str, ...]) -> list[Rewrite]:
-    weighted = op("mul", op(kinds, name="n", one_use=True), any_value("w"), commutative=True)
+def _norm_affine_rewrites(norms: tuple[str, ...]) -> list[Rewrite]:
+    weighted = op("mul", op(norms, name="n", one_use=True), any_value("w"), commutative=True)
     out = _rewrites("norm-weight", [weighted], _norm_weight_fn)
-    if "layer_norm" in kinds:
+    if "layer_norm" in norms:
         norm = op("layer_norm", name="n", one_use=True)
         biased = op("add", norm, any_value("b"), commutative=True)
         out += _rewrites("norm-bias", [biased], _norm_bias_fn)
@@ -255,10 +255,10 @@ def _softmax_axis(m: Match) -> int | None:
     return dim
 
 
-def _along_axis(kind: str):
+def _along_axis(op_name: str):
     def fn(m: Match, b: Builder) -> Value | None:
         dim = _softmax_axis(m)
-        return None if dim is None else b.op(kind, m["x"], dim=dim)
+        return None if dim is None else b.op(op_name, m["x"], dim=dim)
 
     return fn
 
@@ -274,7 +274,7 @@ def softmax_rewrites() -> list[Rewrite]:
 def log_softmax_rewrites() -> list[Rewrite]:
     patterns = []
     for s in _shifted():
-        name = "s" if s.kinds else "x"
+        name = "s" if s.ops else "x"
         lse = op("log", op("sum", op("exp", any_value(name)), name="den", attrs=KEEPDIM))
         patterns.append(op("sub", s, lse))
     return _rewrites("log-softmax", patterns, _along_axis("log_softmax"))
@@ -286,14 +286,14 @@ SQRT_2_OVER_PI = 0.7978845608028654
 GELU_CUBIC = 0.044715
 
 
-def _one_plus(kinds: str) -> Pat:
-    return op("add", op(kinds, any_value("arg"), name="t"), const(data_where=near(1.0)),
+def _one_plus(function: str) -> Pat:
+    return op("add", op(function, any_value("arg"), name="t"), const(data_where=near(1.0)),
               commutative=True, name="onep")
 
 
-def _gelu_patterns(kind: str) -> list[Pat]:
+def _gelu_patterns(function: str) -> list[Pat]:
     """``0.5 * x * onep`` in its three associations; scalings are checked by the function."""
-    onep = _one_plus(kind)
+    onep = _one_plus(function)
     scale = const("s")
     return [
         op("mul", any_value("a"), onep, commutative=True),

@@ -1,153 +1,81 @@
-"""``decompose``: expand composite ops into primitive ops (the inverse of ``composites``).
+"""``decompose``: expand composite ops into simpler ops (the inverse of ``composites``).
 
 Registered pass ``decompose{ops="all"}``; ``ops`` is ``"all"`` or a comma-separated subset of
-:data:`DECOMPOSITIONS`.  Each decomposition writes the form that the ``composites`` pass
-recognizes, so ``decompose`` then ``composites`` gives the composite ops back:
+:func:`decomposable_ops`, the ops whose declaration carries a decomposition
+(``defop(..., decompose=rule)``, :attr:`kiln.ir.OpDef.decompose`).  The pass has no list of
+its own: a node is expanded by its op's rule, ``rule(builder, node)``, which adds the simpler
+nodes through a :class:`~kiln.ir.builder.GraphBuilder` inserting before the node (at the
+node's source location) and returns one value per result.
 
-==================  =========================================================================
-op                  becomes
-==================  =========================================================================
-``gelu``            ``0.5 * x * (1 + erf(x * (1/sqrt 2)))``, or the ``tanh`` form
-``silu``            ``x * sigmoid(x)``
-``silu_mul``        ``silu(a) * b``
-``softmax``         ``exp(x - amax(x)) / sum(exp(x - amax(x)))``
-``log_softmax``     ``(x - amax(x)) - log(sum(exp(x - amax(x))))``
-``layer_norm``      ``(x - mean(x)) * rsqrt(mean((x - mean(x))^2) + eps) [* w] [+ b]``
-``rms_norm``        ``x * rsqrt(mean(x * x) + eps) [* w]``
-==================  =========================================================================
+kiln's own decompositions (``gelu``, ``silu``, ``silu_mul``, ``softmax``, ``log_softmax``,
+``layer_norm``, ``rms_norm``; each written beside its op in :mod:`kiln.ir.ops`) write the
+form that the ``composites`` pass recognizes, so ``decompose`` then ``composites`` gives the
+composite ops back.
 
 It exists so pass ordering can choose between composite recognition and decomposition (a
 decomposed op exposes its pieces to fusion and simplification; a composite op is one
-kernel).  Only ``f32`` and ``f64`` ops are expanded: the references of the composite ops
-compute half precision in ``f32``, which a decomposition in the op's own dtype would not.
+kernel).  Only nodes whose results are all ``f32`` or ``f64`` are expanded: the references
+of the composite ops compute half precision in ``f32``, which a decomposition in the op's
+own dtype would not.
 
 Guarantees: the input graph is untouched; outputs are unchanged up to floating-point
-rounding (a few ulps); result types, inputs, params and output order are kept; idempotent.
+rounding (a few ulps); result types, inputs, params and output order are kept (a rule whose
+values differ in number or type from the node's results raises :class:`~kiln.ir.KilnError`
+naming the op).  One run expands the nodes of the input graph, not the ones a rule
+emits: ``silu_mul`` becomes ``silu(a) * b``, whose ``silu`` a second run expands; for the
+other ops the pass is idempotent.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
 
-import numpy as np
-
-from kiln.ir import DType, Graph, Node, Value
+from kiln.ir import DType, Graph, KilnError, Node, Value, all_ops
+from kiln.ir.builder import GraphBuilder
 from kiln.passes.base import Pass, PassResult, register_pass
 
 _WIDE_FLOATS = (DType.float32, DType.float64)
 
 
-class _Emitter:
-    """Adds nodes before ``anchor`` and scalar constants of one dtype."""
-
-    def __init__(self, graph: Graph, anchor: Node, dtype: DType):
-        self.graph = graph
-        self.anchor = anchor
-        self.dtype = dtype
-
-    def op(self, kind: str, *inputs: Value, **attrs) -> Value:
-        return self.graph.add_node(kind, inputs, attrs, before=self.anchor, loc=self.anchor.loc).output
-
-    def scalar(self, value: float) -> Value:
-        return self.graph.add_constant(np.array(value, dtype=self.dtype.numpy))
-
-
-def _axes(rank: int, normalized_rank: int) -> tuple[int, ...]:
-    return tuple(range(rank - normalized_rank, rank))
-
-
-def _gelu(e: _Emitter, node: Node) -> Value:
-    x = node.inputs[0]
-    if node.attrs["approximate"] == "tanh":
-        cube = e.op("mul", e.op("mul", x, x), x)
-        inner = e.op("add", x, e.op("mul", cube, e.scalar(0.044715)))
-        t = e.op("tanh", e.op("mul", inner, e.scalar(math.sqrt(2.0 / math.pi))))
-    else:
-        t = e.op("erf", e.op("mul", x, e.scalar(1.0 / math.sqrt(2.0))))
-    return e.op("mul", e.op("mul", x, e.scalar(0.5)), e.op("add", t, e.scalar(1.0)))
-
-
-def _silu(e: _Emitter, node: Node) -> Value:
-    x = node.inputs[0]
-    return e.op("mul", x, e.op("sigmoid", x))
-
-
-def _silu_mul(e: _Emitter, node: Node) -> Value:
-    a, b = node.inputs
-    return e.op("mul", e.op("silu", a), b)
-
-
-def _shifted(e: _Emitter, x: Value, dim: int) -> Value:
-    return e.op("sub", x, e.op("amax", x, dims=(dim,), keepdim=True))
-
-
-def _softmax(e: _Emitter, node: Node) -> Value:
-    exp = e.op("exp", _shifted(e, node.inputs[0], node.attrs["dim"]))
-    return e.op("div", exp, e.op("sum", exp, dims=(node.attrs["dim"],), keepdim=True))
-
-
-def _log_softmax(e: _Emitter, node: Node) -> Value:
-    dim = node.attrs["dim"]
-    z = _shifted(e, node.inputs[0], dim)
-    total = e.op("sum", e.op("exp", z), dims=(dim,), keepdim=True)
-    return e.op("sub", z, e.op("log", total))
-
-
-def _affine(e: _Emitter, y: Value, node: Node) -> Value:
-    for kind, param in zip(("mul", "add"), node.inputs[1:]):
-        y = e.op(kind, y, param)
-    return y
-
-
-def _layer_norm(e: _Emitter, node: Node) -> Value:
-    x = node.inputs[0]
-    axes = _axes(x.type.rank, node.attrs["normalized_rank"])
-    d = e.op("sub", x, e.op("mean", x, dims=axes, keepdim=True))
-    var = e.op("mean", e.op("mul", d, d), dims=axes, keepdim=True)
-    y = e.op("mul", d, e.op("rsqrt", e.op("add", var, e.scalar(node.attrs["eps"]))))
-    return _affine(e, y, node)
-
-
-def _rms_norm(e: _Emitter, node: Node) -> Value:
-    x = node.inputs[0]
-    axes = _axes(x.type.rank, node.attrs["normalized_rank"])
-    ms = e.op("mean", e.op("mul", x, x), dims=axes, keepdim=True)
-    y = e.op("mul", x, e.op("rsqrt", e.op("add", ms, e.scalar(node.attrs["eps"]))))
-    return _affine(e, y, node)
-
-
-DECOMPOSITIONS: dict[str, Callable[[_Emitter, Node], Value]] = {
-    "gelu": _gelu,
-    "silu": _silu,
-    "silu_mul": _silu_mul,
-    "softmax": _softmax,
-    "log_softmax": _log_softmax,
-    "layer_norm": _layer_norm,
-    "rms_norm": _rms_norm,
-}
-"""Decomposition rule per composite op name."""
+def decomposable_ops() -> tuple[str, ...]:
+    """Names of the registered ops that declare a decomposition, sorted."""
+    return tuple(sorted(name for name, op in all_ops().items() if op.decompose is not None))
 
 
 def select_ops(ops: str) -> tuple[str, ...]:
     """Op names selected by an ``ops`` option (``"all"`` or comma-separated names)."""
+    known = decomposable_ops()
     if ops.strip() == "all":
-        return tuple(DECOMPOSITIONS)
+        return known
     chosen = tuple(p.strip() for p in ops.split(",") if p.strip())
-    unknown = [p for p in chosen if p not in DECOMPOSITIONS]
+    unknown = [p for p in chosen if p not in known]
     if unknown:
         raise ValueError(
-            f"decompose: unknown op(s) {', '.join(unknown)}; known: all, {', '.join(DECOMPOSITIONS)}"
+            f"decompose: unknown op(s) {', '.join(unknown)}; known: all, {', '.join(known)}"
         )
     return chosen
+
+
+def expand(graph: Graph, node: Node) -> tuple[Value, ...]:
+    """Insert ``node``'s decomposition before it in ``graph``; its values, one per result."""
+    builder = GraphBuilder(graph, loc=node.loc, before=node)
+    values = node.op.decompose(builder, node)
+    values = (values,) if isinstance(values, Value) else tuple(values)
+    got = [v.type if isinstance(v, Value) else type(v).__name__ for v in values]
+    if got != [v.type for v in node.outputs]:
+        raise KilnError(
+            f"decompose: the decomposition of {node.op_name} returned {', '.join(map(str, got)) or 'nothing'}"
+            f" for results {', '.join(str(v.type) for v in node.outputs)}; it must return one value "
+            "of exactly each result's type"
+        )
+    return values
 
 
 @register_pass
 @dataclass(frozen=True)
 class Decompose(Pass):
-    """Expand the selected composite ops into primitives (see :mod:`kiln.passes.decompose`)."""
+    """Expand the selected composite ops into simpler ones (see :mod:`kiln.passes.decompose`)."""
 
     name: ClassVar[str] = "decompose"
     ops: str = "all"
@@ -165,7 +93,11 @@ class Decompose(Pass):
             return PassResult(graph, False)
         g = graph.clone()
         for node in [n for n in g.nodes if wanted(n)]:
-            replacement = DECOMPOSITIONS[node.op_name](_Emitter(g, node, node.output.dtype), node)
-            g.replace_all_uses(node.output, replacement)
+            for old, new in zip(node.outputs, expand(g, node)):
+                g.replace_all_uses(old, new)
             g.remove_node(node)
         return PassResult(g, True)
+
+
+__all__ = ["Decompose", "decomposable_ops", "expand", "select_ops"]
+

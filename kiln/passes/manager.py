@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from kiln.ir import Graph, KilnError
-from kiln.passes.base import Pass, PassResult, _PASSES
+from kiln.passes.base import _PASSES, Pass, PassResult, load_passes
 
 DUMP_ENV_VAR = "KILN_DUMP_IR"
 
@@ -141,6 +141,7 @@ def _parse_one(item: str) -> Pass:
     name = name.strip()
     if rest and not rest.rstrip().endswith("}"):
         raise PipelineSyntaxError(f"pass {name!r}: options must be written as {name}{{key=value,...}}")
+    load_passes()
     cls = _PASSES.get(name)
     if cls is None:
         raise PipelineSyntaxError(

@@ -37,6 +37,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kiln.ir import DType, Graph, KilnError, TensorType, Value
+from kiln.ir.builder import GraphBuilder
 
 SGD_HYPERS = ("lr", "momentum", "dampening", "weight_decay")
 ADAM_HYPERS = ("lr", "beta1", "beta2", "eps", "weight_decay")
@@ -209,13 +210,13 @@ def _check_groups(graph: Graph, groups: Sequence[GroupSpec], grads: Mapping[str,
                         "expected bool[]")
 
 
-class _UpdateBuilder:
-    """Adds the update ops for one param at a time: tensor arithmetic in float32, scalar
-    arithmetic on the (float64) hyperparameters in float64, rounded to float32 by
-    :meth:`scalar` where a scalar meets a tensor."""
+class _UpdateBuilder(GraphBuilder):
+    """Adds the update ops for one param at a time (each located at ``"optimizer"``): tensor
+    arithmetic in float32, scalar arithmetic on the (float64) hyperparameters in float64,
+    rounded to float32 by :meth:`scalar` where a scalar meets a tensor."""
 
     def __init__(self, graph: Graph):
-        self.g = graph
+        super().__init__(graph, loc="optimizer")
         self.used = {v.name for v in graph.values()}
 
     # -------------------------------------------------------------- plumbing
@@ -225,13 +226,7 @@ class _UpdateBuilder:
             n += 1
             name = f"{hint}_{n}"
         self.used.add(name)
-        return self.g.add_input(name, type)
-
-    def op(self, kind: str, *operands: Value, **attrs) -> Value:
-        return self.g.op(kind, *operands, loc="optimizer", **attrs)
-
-    def const(self, x: float) -> Value:
-        return self.g.add_constant(x, DType.float32)
+        return self.graph.add_input(name, type)
 
     def scalar(self, v: Value) -> Value:
         """A float64 scalar as the float32 operand of tensor arithmetic (PyTorch converts a
@@ -240,23 +235,23 @@ class _UpdateBuilder:
 
     def one_minus64(self, v: Value) -> Value:
         """``1 - v`` in float64 (``v`` a float64 scalar)."""
-        return self.op("sub", self.g.add_constant(1.0, DType.float64), v)
+        return self.sub(self.const(1.0, DType.float64), v)
 
     def f32(self, v: Value) -> Value:
-        return v if v.dtype == DType.float32 else self.op("cast", v, dtype=DType.float32)
+        return self.cast(v, DType.float32)
 
     def like(self, v: Value, ref: Value) -> Value:
-        return v if v.dtype == ref.dtype else self.op("cast", v, dtype=ref.dtype)
+        return self.cast(v, ref.dtype)
 
     def keep_if(self, skip: Value, old: Value, new: Value) -> Value:
-        return self.op("where", skip, old, new)
+        return self.where(skip, old, new)
 
     def axpy(self, alpha: Value, x: Value, y: Value) -> Value:
         """``y + alpha * x``: PyTorch's ``y.add(x, alpha=alpha)``."""
         return self.op("add", y, self.op("mul", x, alpha))
 
     def one_minus(self, v: Value) -> Value:
-        return self.op("sub", self.const(1.0), v)
+        return self.op("sub", self.const(1.0, DType.float32), v)
 
     # ------------------------------------------------------------------ sgd
     def sgd(self, group: GroupSpec, param: Value, grad: Value, h: Mapping[str, Value],
@@ -283,7 +278,7 @@ class _UpdateBuilder:
         p, g = self.f32(param), self.f32(grad)
         if group.maximize:
             g = self.op("neg", g)
-        step = self.op("add", self.f32(state["step"]), self.const(1.0))
+        step = self.op("add", self.f32(state["step"]), self.const(1.0, DType.float32))
         step64 = self.op("cast", step, dtype=DType.float64)  # PyTorch's step.item()
         lr, wd = h["lr"], h["weight_decay"]
         if group.decoupled_weight_decay:
@@ -315,4 +310,4 @@ class _UpdateBuilder:
         diff = self.op("sub", end, start)
         low = self.op("add", start, self.op("mul", weight, diff))
         high = self.op("sub", end, self.op("mul", diff, self.one_minus(weight)))
-        return self.op("where", self.op("lt", weight, self.const(0.5)), low, high)
+        return self.op("where", self.op("lt", weight, self.const(0.5, DType.float32)), low, high)

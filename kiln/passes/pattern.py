@@ -7,7 +7,7 @@ A rewrite is data: a pattern (what to look for) and a function (what to put inst
         x = match["x"]
         return x if x.type == match.value.type else None  # None = no rewrite
 
-* Patterns: :func:`op` (op kinds, positional operand sub-patterns, ``attrs``,
+* Patterns: :func:`op` (op names, positional operand sub-patterns, ``attrs``,
   ``commutative``), :func:`any_value` (wildcard) and :func:`const` (graph constants and
   ``full`` results; ``value=`` splat, ``data_where=`` predicate).  All take ``name``
   (capture; a repeated name must bind the same value), ``dtype``, ``shape``, ``rank``,
@@ -30,6 +30,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from kiln.ir import DType, Graph, KilnError, Node, Value
+from kiln.ir.builder import GraphBuilder
 from kiln.passes.base import Pass, PassResult, register_pass
 
 FLOAT_DTYPES = frozenset({DType.float64, DType.float32, DType.float16, DType.bfloat16})
@@ -49,7 +50,7 @@ class RewriteError(KilnError):
 class Pat:
     """A pattern over one value. Build it with :func:`op`, :func:`any_value` or :func:`const`."""
 
-    kinds: frozenset[str] | None = None
+    ops: frozenset[str] | None = None
     """Op names the producer must have; ``None`` = any value (input, param, const, result)."""
     operands: tuple[Pat, ...] | None = None
     name: str | None = None
@@ -73,7 +74,7 @@ class Pat:
 
 
 def op(
-    kinds: str | Collection[str],
+    ops: str | Collection[str],
     *operands: Pat,
     name: str | None = None,
     attrs: Mapping[str, Any] | None = None,
@@ -84,17 +85,17 @@ def op(
     rank: RankSpec = None,
     where: Callable[[Value], bool] | None = None,
 ) -> Pat:
-    """A value produced by a node whose op is in ``kinds``.
+    """A value produced by a node whose op is ``ops`` (a name) or one of ``ops``.
 
     ``operands`` are positional sub-patterns, one per operand of the node; with none given
     the operands are unconstrained.
     """
-    kind_set = frozenset([kinds] if isinstance(kinds, str) else kinds)
-    if not kind_set:
-        raise ValueError("op pattern needs at least one op kind")
+    names = frozenset([ops] if isinstance(ops, str) else ops)
+    if not names:
+        raise ValueError("op pattern needs at least one op name")
     if commutative and len(operands) != 2:
         raise ValueError("commutative=True needs exactly two operand patterns")
-    return Pat(kinds=kind_set, operands=tuple(operands) or None, name=name,
+    return Pat(ops=names, operands=tuple(operands) or None, name=name,
                attrs=dict(attrs or {}), commutative=commutative, one_use=one_use, dtype=dtype,
                shape=shape, rank=rank, where=where)
 
@@ -265,9 +266,9 @@ def _local_ok(pat: Pat, value: Value, uses: _UseCounter) -> bool:
         return False
     if pat.is_const and not _const_ok(pat, value):
         return False
-    if pat.kinds is not None:
+    if pat.ops is not None:
         node = value.producer
-        if node is None or node.op_name not in pat.kinds:
+        if node is None or node.op_name not in pat.ops:
             return False
         if pat.operands is not None and len(pat.operands) != len(node.inputs):
             return False
@@ -308,7 +309,7 @@ def _matches(pat: Pat, value: Value, bound: dict[str, Value], uses: _UseCounter)
         return
     if pat.name is not None:
         bound = {**bound, pat.name: value}
-    if pat.kinds is None or pat.operands is None:
+    if pat.ops is None or pat.operands is None:
         yield bound
         return
     inputs = value.producer.inputs
@@ -339,31 +340,27 @@ def match(pattern: Pat, value: Value, graph: Graph) -> Match | None:
 
 
 # ------------------------------------------------------------------------------- rewriting
-class Builder:
-    """Builds replacement nodes before the matched root; records what it created."""
+class Builder(GraphBuilder):
+    """Builds replacement nodes before the matched ``root``, at its source location, and
+    records what it created (``created``); :class:`~kiln.ir.builder.GraphBuilder`'s
+    vocabulary (``op``, ``node``, ``mul``, ``reshape``...) with the constants below."""
 
     def __init__(self, graph: Graph, root: Node):
-        self.graph = graph
+        super().__init__(graph, loc=root.loc, before=root)
         self.root = root
-        self.created: list[Node] = []
 
-    def node(self, kind: str, inputs: Sequence[Value], attrs: Mapping[str, Any] | None = None) -> Node:
-        """Insert a node of op ``kind`` before the root (types inferred as always)."""
-        n = self.graph.add_node(kind, inputs, attrs, loc=self.root.loc, before=self.root)
-        self.created.append(n)
-        return n
-
-    def op(self, kind: str, *inputs: Value, **attrs: Any) -> Value:
-        """Insert a single-result node before the root and return its result."""
-        return self.node(kind, inputs, attrs).output
-
-    def const(self, data: Any, dtype: DType | None = None) -> Value:
-        """A graph constant (deduplicated by content, as :meth:`Graph.add_constant`)."""
-        return self.graph.add_constant(data, dtype=dtype)
+    def const(self, data: Any, dtype: DType | Value | None = None) -> Value:
+        """A graph constant (deduplicated by content, as :meth:`Graph.add_constant`) of
+        ``dtype`` (a dtype, or a value whose dtype to take, as
+        :meth:`GraphBuilder.const <kiln.ir.builder.GraphBuilder.const>`), or of the data's
+        own dtype when ``None`` (Python floats: ``f32``)."""
+        if dtype is None:
+            return self.graph.add_constant(data)
+        return super().const(data, dtype)
 
     def scalar(self, value: Any, dtype: DType) -> Value:
         """A rank-0 constant of ``dtype``."""
-        return self.graph.add_constant(np.asarray(value, dtype=dtype.numpy), dtype=dtype)
+        return super().const(value, dtype)
 
 
 RewriteFn = Callable[[Match, Builder], "Value | Sequence[Value] | None"]
@@ -378,7 +375,7 @@ class Rewrite:
     fn: RewriteFn
 
     def __post_init__(self) -> None:
-        if self.pattern.kinds is None:
+        if self.pattern.ops is None:
             raise ValueError(f"rewrite {self.name!r}: the root pattern must be op(...), not a wildcard")
 
 
@@ -466,10 +463,10 @@ def apply_patterns(graph: Graph, rewrites: Sequence[Rewrite], max_rounds: int = 
     (else :class:`RewriteError`); matched nodes left without uses are removed (impure ones
     kept); the result is topologically sorted; ``changed`` is True iff a rewrite fired.
     """
-    by_kind: dict[str, list[Rewrite]] = {}
+    by_op: dict[str, list[Rewrite]] = {}
     for rw in rewrites:
-        for kind in sorted(rw.pattern.kinds or ()):
-            by_kind.setdefault(kind, []).append(rw)
+        for name in sorted(rw.pattern.ops or ()):
+            by_op.setdefault(name, []).append(rw)
     g = graph.clone()
     changed = False
     for _ in range(max_rounds):
@@ -478,7 +475,7 @@ def apply_patterns(graph: Graph, rewrites: Sequence[Rewrite], max_rounds: int = 
         for node in list(g.nodes):
             if node not in g.nodes:  # removed by an earlier rewrite this round
                 continue
-            for rw in by_kind.get(node.op_name, ()):
+            for rw in by_op.get(node.op_name, ()):
                 if _try_rewrite(g, node, rw, uses):
                     fired = True
                     break

@@ -1,22 +1,32 @@
 """The default pipeline that :func:`kiln.compile` runs.
 
-:data:`DEFAULT_PIPELINE` is the single place where the default pass order is written down;
-adding a pass to the default is a one-line change here (its module must be imported by
-``kiln/passes/__init__.py`` so that it is registered).
+:data:`DEFAULT_ORDER` writes down the default order of kiln's passes, and
+:data:`DEFAULT_PIPELINE` is that order as pipeline text, with any pass that declares
+``default_before = "<pass>"`` in its own module run right before the first ``<pass>``::
+
+    @register_pass
+    @dataclass(frozen=True)
+    class MyCleanup(Pass):
+        name: ClassVar[str] = "my-cleanup"
+        default_before: ClassVar[str] = "fuse"   # the default pipeline: ...,dce,my-cleanup,fuse
+
+So adding a pass to the default takes its module alone (every module in ``kiln/passes/``
+is loaded by :func:`kiln.passes.base.load_passes`); ``print(DEFAULT_PIPELINE)`` shows the
+whole order.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from kiln.ir import Graph
-from kiln.passes.base import Pass
+from kiln.passes.base import Pass, load_passes, registered_passes
 from kiln.passes.manager import PassManager
 
 GraphTransform = Callable[[Graph], Graph]
 
-DEFAULT_PIPELINE = ",".join([
+DEFAULT_ORDER: tuple[str, ...] = (
     "inline-custom-vjp",  # torch.autograd.Function nodes: their forward, once autodiff ran
     "canonicalize",
     "simplify",
@@ -30,7 +40,36 @@ DEFAULT_PIPELINE = ",".join([
     "cse",
     "dce",
     "fuse",
-])
+)
+"""The written default order of kiln's passes (a pass may appear more than once)."""
+
+
+def compose_order(order: Sequence[str], passes: Iterable[type[Pass]]) -> str:
+    """``order`` as pipeline text, with each of ``passes`` whose ``default_before`` is set
+    inserted right before the first occurrence of that pass (several before one pass: by
+    name).  A ``default_before`` naming no pass of ``order``, or set on a pass that ``order``
+    names itself, is an error."""
+    before: dict[str, list[str]] = {}
+    for cls in sorted(passes, key=lambda c: c.name):
+        anchor = cls.default_before
+        if anchor is None:
+            continue
+        if cls.name in order:
+            raise ValueError(f"pass {cls.name!r} is in the written default order and also declares "
+                             f"default_before={anchor!r}: keep one of the two")
+        if anchor not in order:
+            raise ValueError(f"pass {cls.name!r} asks to run before {anchor!r} in the default pipeline, "
+                             f"which has no such pass: {','.join(order)}")
+        before.setdefault(anchor, []).append(cls.name)
+    text: list[str] = []
+    for name in order:
+        text += before.pop(name, [])
+        text.append(name)
+    return ",".join(text)
+
+
+load_passes()  # the declarations of every pass module, before the order is composed
+DEFAULT_PIPELINE = compose_order(DEFAULT_ORDER, registered_passes().values())
 """Pass order of :func:`default_pipeline`, as pipeline text."""
 
 

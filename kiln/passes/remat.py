@@ -21,14 +21,15 @@ the backward depends on:
 
 ``BIG`` exceeds the number of nodes, so the cut minimizes saved bytes first and the number
 of recomputed nodes second.  Graph inputs, params and constants are always available to the
-backward at no cost.  Recomputable: elementwise, view, pointwise and creation ops and the
-copy-only layout ops (cat, pad, flip, tril, triu, repeat, cast); ``fused`` nodes are not.
-Random ops (``dropout_mask``) are recomputable only inside one joint graph
-(``random=True``, as :func:`rematerialize` chooses): their result is a pure function of the
-seed operand and the attributes, and within one call of the graph the seed does not change,
-so a clone draws the forward's mask bit for bit.  Across a forward/backward pair the seed
-param is refilled before every forward call, so a backward graph recomputing a mask could
-draw another call's mask: ``split_joint`` saves masks.
+backward at no cost.  Recomputable: ops with a trait in :data:`RECOMPUTABLE_TRAITS`
+(elementwise, view, pointwise and creation ops, and the ``copy`` ops: cat, pad, flip, tril,
+triu, repeat, cast); ``fused`` nodes are not.  Random ops with trait ``replayable``
+(``dropout_mask``) are recomputable only inside one joint graph (``random=True``, as
+:func:`rematerialize` chooses): their result is a pure function of the seed operand and the
+attributes, and within one call of the graph the seed does not change, so a clone draws the
+forward's mask bit for bit.  Across a forward/backward pair the seed param is refilled
+before every forward call, so a backward graph recomputing a mask could draw another call's
+mask: ``split_joint`` saves masks.
 """
 
 from __future__ import annotations
@@ -40,16 +41,17 @@ from typing import ClassVar
 from kiln.ir import Graph, KilnError, Node, Value
 from kiln.passes.base import Pass, PassResult, register_pass
 
-COPY_OPS = frozenset({"cat", "pad", "flip", "tril", "triu", "repeat", "cast"})
-RECOMPUTABLE_TRAITS = frozenset({"elementwise", "view", "pointwise", "creation"})
+RECOMPUTABLE_TRAITS = frozenset({"elementwise", "view", "pointwise", "creation", "copy"})
+"""Traits of ops cheap and pure enough to recompute (see :attr:`kiln.ir.OpDef.traits`)."""
 
 
 def is_recomputable(node: Node, *, random: bool = False) -> bool:
     """Cheap and pure: the backward may recompute this node instead of saving its results.
-    Random ops only with ``random=True`` (inside one joint graph, see the module docstring)."""
+    Random ops only when ``replayable`` and with ``random=True`` (inside one joint graph,
+    see the module docstring)."""
     if node.op.has("random"):
-        return random and node.op_name == "dropout_mask"
-    return node.op_name in COPY_OPS or bool(node.op.traits & RECOMPUTABLE_TRAITS)
+        return random and node.op.has("replayable")
+    return bool(node.op.traits & RECOMPUTABLE_TRAITS)
 
 
 def choose_recomputation(forward: Sequence[Node], backward: Sequence[Node],
@@ -207,5 +209,5 @@ class Rematerialize(Pass):
         return PassResult(result, recomputed > 0)
 
 
-__all__ = ["COPY_OPS", "RECOMPUTABLE_TRAITS", "Rematerialize", "choose_recomputation", "is_recomputable",
+__all__ = ["RECOMPUTABLE_TRAITS", "Rematerialize", "choose_recomputation", "is_recomputable",
            "rematerialize"]

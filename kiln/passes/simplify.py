@@ -11,9 +11,10 @@ change the broadcast shape or the dtype (``x * ones(4, 3)`` with ``x: f32[3]``, 
   ``inf * 0`` and ``nan * 0`` are NaN).
 * ``neg(neg(x))``  ->  ``x``.
 * ``log(exp(x))``  ->  ``x`` for floats (exact in real arithmetic; removes overflow).
-  ``exp(log(x))``  ->  ``x`` only when ``x`` is provably non-negative (produced by ``exp``,
-  ``sigmoid``, ``relu``, ``abs``, ``sqrt``, ``rsqrt``, ``softmax``, ``x * x``, or a constant
-  with no negative element); for ``x < 0`` ``log`` gives NaN.
+  ``exp(log(x))``  ->  ``x`` only when ``x`` is provably non-negative (produced by an op
+  with trait ``nonnegative`` -- ``exp``, ``sigmoid``, ``relu``, ``abs``, ``sqrt``, ``rsqrt``,
+  ``softmax`` --, by ``x * x``, or a constant with no negative element); for ``x < 0``
+  ``log`` gives NaN.
 * ``x / c``  ->  ``x * (1 / c)`` for floating ``c`` whose elements are all the same power of
   two (normal range, so ``1 / c`` is exact): both round the same real number, so the
   results are bit-identical.  Other divisors are left alone: ``x * (1/c)`` can differ from
@@ -95,18 +96,16 @@ def log_of_exp(m: Match, b: Builder) -> Value | None:
     return _same_type_as_root(m, "x")
 
 
-_NONNEG_OPS = frozenset({"exp", "sigmoid", "relu", "abs", "sqrt", "rsqrt", "softmax"})
-
-
 def provably_nonnegative(v: Value) -> bool:
-    """True when every element of ``v`` is >= 0 or NaN, judged from its producer."""
+    """True when every element of ``v`` is >= 0 or NaN, judged from its producer: a
+    constant, an op with trait ``nonnegative`` or a square ``mul(x, x)``."""
     data = constant_data(v, max_elements=1 << 16)
     if data is not None:
         return not bool(np.any(np.asarray(data, dtype=np.float64) < 0))
     node = v.producer
     if node is None:
         return False
-    if node.op_name in _NONNEG_OPS:
+    if node.op.has("nonnegative"):
         return True
     return node.op_name == "mul" and node.inputs[0] is node.inputs[1]
 

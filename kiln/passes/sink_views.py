@@ -1,6 +1,8 @@
 """View sinking: move layout ops (permute, reshape, expand) towards the outputs.
 
-A view feeding an elementwise op is moved after it, or absorbed into it, so that views meet
+A view -- an op with trait ``whole_view``, one that reads every element of its operand:
+``permute``, ``reshape``, ``expand`` (see :attr:`kiln.ir.OpDef.traits`) -- feeding an
+elementwise op is moved after it, or absorbed into it, so that views meet
 each other (and cancel: ``permute(p^-1)`` after ``permute(p)``) or reach consumers that read
 them for free.  The rules (``ew`` is any op with trait ``elementwise``):
 
@@ -43,13 +45,10 @@ from kiln.passes.pattern import Builder, Match, PatternPass, Rewrite, any_value
 from kiln.passes.pattern import op as op_pattern
 from kiln.passes.simplify import identity_permute, permute_of_permute
 
-SINKABLE_VIEWS = ("permute", "reshape", "expand")
-
-
 def _movable_view(v: Value, m: Match) -> bool:
-    """``v`` is a sinkable view whose only uses are operands of the matched root."""
+    """``v`` is a ``whole_view`` result whose only uses are operands of the matched root."""
     producer = v.producer
-    return (producer is not None and producer.op_name in SINKABLE_VIEWS
+    return (producer is not None and producer.op.has("whole_view")
             and m.use_count(v) == m.root.inputs.count(v))
 
 
@@ -115,17 +114,17 @@ def _transpose_of_product(m: Match, b: Builder) -> Value | None:
     return _same_type(out, m)
 
 
-def _elementwise_kinds() -> tuple[str, ...]:
+def _elementwise_op_names() -> tuple[str, ...]:
     return tuple(sorted(name for name, d in all_ops().items()
                         if d.has("elementwise") and not d.has("random")))
 
 
 def sink_view_rewrites() -> tuple[Rewrite, ...]:
     """The rewrites of the pass, built over every op registered with trait ``elementwise``."""
-    kinds = _elementwise_kinds()
+    names = _elementwise_op_names()
     return (
-        Rewrite("absorb_expands", op_pattern(kinds), _absorb_expands),
-        Rewrite("sink_views", op_pattern(kinds), _sink_views),
+        Rewrite("absorb_expands", op_pattern(names), _absorb_expands),
+        Rewrite("sink_views", op_pattern(names), _sink_views),
         permute_of_permute,
         identity_permute,
         Rewrite("transpose_of_product",

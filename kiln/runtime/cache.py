@@ -1,15 +1,22 @@
-"""The compile cache: generated C sources and their shared objects, reused across processes.
+"""The artifact cache: built artifacts and their sources, reused across processes.
 
-Layout (one flat folder, ``KILN_CACHE_DIR`` or ``$XDG_CACHE_HOME/kiln`` or ``~/.cache/kiln``)::
+An artifact is what a toolchain (:mod:`kiln.backends.common.toolchain`) makes of source
+text, named by its type: ``"so"`` (a host shared object, from the C compiler) today;
+``"cubin"``, ``"ptx"`` or a Triton kernel when the backends that build them arrive.  One
+:class:`CompileCache` holds every type.  Layout (one flat folder, ``KILN_CACHE_DIR`` or
+``$XDG_CACHE_HOME/kiln`` or ``~/.cache/kiln``)::
 
     <key>.json                 the entry's manifest, written last: it commits the entry
-    <key>.<digest>.c           the C source
-    <key>.<digest>.so          the shared object; <digest> = sha256 of its bytes (16 hex)
+    <key>.<digest>.<suffix>    the source (``.c`` for C)
+    <key>.<digest>.<artifact>  the artifact (``.so``); <digest> = sha256 of its bytes (16 hex)
 
-``key`` is the sha256 of everything that decides the generated code: the IR text, the
-backend options, the C compiler's identity (its ``--version`` text and flags), the machine,
-and the kiln build (version plus a hash of the code-generating sources).  The manifest
-stores the digests of the source and of the shared object.
+``key`` is the sha256 of everything that decides the artifact.  For a compiled graph
+(:func:`cache_key`) that is the IR text, the backend options, the toolchain's identity (the
+C compiler's ``--version`` text and flags, the machine) and the kiln build (version plus a
+hash of the code-generating sources).  For a standalone source (:func:`artifact_key`) it is
+the artifact type, the source text and the toolchain identity: the entry is addressed by its
+content.  The manifest stores the artifact type and the digests of the source and of the
+artifact; a lookup names the artifact type it wants, and an entry of another type is a miss.
 
 Guarantees:
 
@@ -17,10 +24,10 @@ Guarantees:
   and moved into place with ``os.replace``; the manifest moves last.  Readers therefore see
   either no entry or a complete one, and concurrent processes building the same entry each
   write whole files (the last one wins; both are valid).
-* **Never load a damaged entry.**  :meth:`CompileCache.lookup` re-hashes the shared object
-  and the source against the manifest; a missing, truncated or modified file, or an
-  unreadable manifest, counts as a miss (``corrupt`` in the counters), so the caller
-  rebuilds and :meth:`CompileCache.store` overwrites the entry.
+* **Never load a damaged entry.**  :meth:`CompileCache.lookup` re-hashes the artifact and
+  the source against the manifest; a missing, truncated or modified file, or an unreadable
+  manifest, counts as a miss (``corrupt`` in the counters), so the caller rebuilds and
+  :meth:`CompileCache.store` overwrites the entry.
 * **Off switch.**  ``CompileCache(enabled=False)`` never reads or writes the folder:
   ``lookup`` misses and ``store`` keeps the files in a private temporary folder.
 
@@ -32,6 +39,8 @@ Counters (``COUNTERS``, process-wide, and ``cache.counters`` per instance): ``hi
 same guarantees: atomic writes, a damaged or foreign document is a miss (``corrupt``) that
 the next store overwrites, and ``enabled=False`` never touches the folder.  Its counters are
 ``DOCUMENT_COUNTERS`` (process-wide) and ``documents.counters``.
+
+This module imports nothing from kiln, so tools can read the cache without loading kiln.
 """
 
 from __future__ import annotations
@@ -39,6 +48,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import tempfile
 import threading
 import warnings
@@ -70,11 +80,9 @@ def digest(data: bytes | str) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def cache_key(ir_text: str, options: Mapping[str, Any], compiler_identity: str, build_identity: str) -> str:
-    """The key of a compiled graph: sha256 over the IR text, the options (sorted), the
-    compiler identity and the kiln build identity, each length-prefixed so no two different
-    tuples of parts hash the same text."""
-    parts = [ir_text, json.dumps(dict(options), sort_keys=True, default=repr), compiler_identity, build_identity]
+def _key(parts: list[str]) -> str:
+    """sha256 over ``parts``, each length-prefixed so no two different tuples of parts hash
+    the same text."""
     h = hashlib.sha256()
     for part in parts:
         data = part.encode()
@@ -83,18 +91,45 @@ def cache_key(ir_text: str, options: Mapping[str, Any], compiler_identity: str, 
     return h.hexdigest()
 
 
+def cache_key(ir_text: str, options: Mapping[str, Any], compiler_identity: str, build_identity: str) -> str:
+    """The key of a compiled graph: sha256 over the IR text, the options (sorted), the
+    compiler identity and the kiln build identity, each length-prefixed so no two different
+    tuples of parts hash the same text."""
+    return _key([ir_text, json.dumps(dict(options), sort_keys=True, default=repr), compiler_identity,
+                 build_identity])
+
+
+def artifact_key(artifact: str, source: str, identity: str, *parts: str) -> str:
+    """The content address of the ``artifact`` a toolchain with ``identity`` builds from
+    ``source``: sha256 over the artifact type, the source, the identity and any further
+    ``parts``, length-prefixed like :func:`cache_key`."""
+    return _key(["artifact", artifact, source, identity, *parts])
+
+
+_SUFFIX = re.compile(r"[a-z0-9_]{1,16}")
+
+
+def _check_suffix(what: str, value: str) -> str:
+    if not _SUFFIX.fullmatch(value):
+        raise ValueError(f"artifact cache: {what} {value!r} is not 1-16 of [a-z0-9_] (it names files)")
+    return value
+
+
 @dataclass(frozen=True)
 class CacheEntry:
-    """A verified entry: the shared object, its source and the stored manifest."""
+    """A verified entry: the artifact (``library``: the built file, a shared object for
+    ``artifact="so"``), its source and the stored manifest."""
 
     key: str
     library: Path
     source: Path
     manifest: dict[str, Any] = field(default_factory=dict)
+    artifact: str = "so"
 
 
 class CompileCache:
-    """A folder of compiled graphs; see the module docstring."""
+    """A folder of built artifacts of every type, keyed by ``(artifact, key)``; see the
+    module docstring."""
 
     def __init__(self, directory: str | os.PathLike[str] | None = None, enabled: bool = True):
         self.enabled = enabled
@@ -103,8 +138,10 @@ class CompileCache:
         self._scratch: tempfile.TemporaryDirectory[str] | None = None
 
     # ------------------------------------------------------------------ reading
-    def lookup(self, key: str) -> CacheEntry | None:
-        """The verified entry for ``key``, or ``None`` (a miss, or a damaged entry)."""
+    def lookup(self, key: str, artifact: str = "so") -> CacheEntry | None:
+        """The verified ``artifact`` entry for ``key``, or ``None`` (a miss, a damaged entry,
+        or an entry of another artifact type)."""
+        _check_suffix("artifact", artifact)
         if not self.enabled:
             self._count("misses")
             return None
@@ -117,6 +154,9 @@ class CompileCache:
             self._count("corrupt")
             self._count("misses")
             return None
+        if entry.artifact != artifact:  # a whole entry, of another type: a plain miss
+            self._count("misses")
+            return None
         self._count("hits")
         return entry
 
@@ -124,6 +164,9 @@ class CompileCache:
         try:
             manifest = json.loads(manifest_path.read_text())
             if manifest.get("format") != MANIFEST_VERSION or manifest.get("key") != key:
+                return None
+            artifact = manifest.get("artifact", "so")  # entries written before types were named are "so"
+            if not isinstance(artifact, str):
                 return None
             library = self.directory / manifest["library"]
             source = self.directory / manifest["source"]
@@ -133,23 +176,27 @@ class CompileCache:
                 return None
         except (OSError, ValueError, KeyError, TypeError):
             return None
-        return CacheEntry(key, library, source, manifest)
+        return CacheEntry(key, library, source, manifest, artifact)
 
     # ------------------------------------------------------------------ writing
-    def store(self, key: str, source: str, library: Path, manifest: Mapping[str, Any]) -> CacheEntry:
-        """Commit ``source`` and the built shared object at ``library`` under ``key``.
+    def store(self, key: str, source: str, library: Path, manifest: Mapping[str, Any], *,
+              artifact: str = "so", source_suffix: str = "c") -> CacheEntry:
+        """Commit ``source`` and the built ``artifact`` at ``library`` under ``key``.
 
         ``manifest`` holds whatever the backend needs to use the entry without rebuilding
-        (kernel symbols, argument lists); the integrity fields are added here.  With the
-        cache off, or a cache folder that cannot be written (a warning says so), the files go
-        to a private temporary folder that lives as long as this object.
+        (kernel symbols, argument lists); the artifact type and the integrity fields are
+        added here.  ``source_suffix`` names the source file (``c``, ``cu``, ``py``).  With
+        the cache off, or a cache folder that cannot be written (a warning says so), the files
+        go to a private temporary folder that lives as long as this object.
         """
+        _check_suffix("artifact", artifact)
+        _check_suffix("source suffix", source_suffix)
         lib_bytes = Path(library).read_bytes()
         lib_digest = digest(lib_bytes)
         src_digest = digest(source)
-        lib_name = f"{key}.{lib_digest[:16]}.so"
-        src_name = f"{key}.{src_digest[:16]}.c"
-        full = {**dict(manifest), "format": MANIFEST_VERSION, "key": key, "library": lib_name,
+        lib_name = f"{key}.{lib_digest[:16]}.{artifact}"
+        src_name = f"{key}.{src_digest[:16]}.{source_suffix}"
+        full = {**dict(manifest), "format": MANIFEST_VERSION, "key": key, "artifact": artifact, "library": lib_name,
                 "source": src_name, "library_sha256": lib_digest, "source_sha256": src_digest}
         if self.enabled:
             try:
@@ -162,11 +209,11 @@ class CompileCache:
                               "set KILN_CACHE_DIR to a writable folder or pass cache=False", stacklevel=2)
             else:
                 self._count("stores")
-                return CacheEntry(key, self.directory / lib_name, self.directory / src_name, full)
+                return CacheEntry(key, self.directory / lib_name, self.directory / src_name, full, artifact)
         folder = self._scratch_dir()
         _atomic_write(folder / src_name, source.encode())
         _atomic_write(folder / lib_name, lib_bytes)
-        return CacheEntry(key, folder / lib_name, folder / src_name, full)
+        return CacheEntry(key, folder / lib_name, folder / src_name, full, artifact)
 
     def scratch_dir(self) -> Path:
         """A private folder (removed with this object) for build temporaries."""
@@ -279,5 +326,5 @@ def _atomic_write(path: Path, data: bytes) -> None:
         raise
 
 
-__all__ = ["COUNTERS", "DOCUMENT_COUNTERS", "CacheEntry", "CompileCache", "DocumentCache", "cache_key",
-           "default_cache_dir", "digest"]
+__all__ = ["COUNTERS", "DOCUMENT_COUNTERS", "CacheEntry", "CompileCache", "DocumentCache", "artifact_key",
+           "cache_key", "default_cache_dir", "digest"]

@@ -1,11 +1,13 @@
-"""A call plan: a compiled graph as one flat list of prebuilt call records.
+"""A call plan: a compiled graph as one flat list of prebuilt call records, on one device.
 
-Every value of the graph has a numbered *slot*.  Slots ``0 .. num_args-1`` receive the
-executable's arguments (user inputs, then parameters); the others are filled by steps:
+Backends build call plans; the runtime runs them.  Every value of the graph has a numbered
+*slot*.  Slots ``0 .. num_args-1`` receive the executable's arguments (user inputs, then
+parameters); the others are filled by steps:
 
-* :class:`KernelStep` -- a native function ``void f(void *const *ptrs)`` called (through
-  ctypes) with the raw data pointers of its slots' tensors, inputs then outputs;
-  :class:`NativeRunStep` runs several consecutive ones in a single foreign call;
+* :class:`NativeRunStep` -- consecutive native kernels of one loaded artifact, launched by
+  its :class:`KernelLauncher` (on the host, :class:`HostLauncher`: one ctypes call that runs
+  a table of ``void f(void *const *ptrs)`` functions on the raw data pointers of their
+  slots' tensors);
 * :class:`TorchStep` -- a Python callable on tensors (a library call such as
   ``torch.matmul(a, b, out=c)``), either writing into preallocated outputs or returning
   new tensors;
@@ -14,15 +16,21 @@ executable's arguments (user inputs, then parameters); the others are filled by 
   call;
 * :class:`ContiguousStep` -- makes an argument contiguous for a native kernel (a no-op for
   contiguous tensors);
-* :class:`PackStep` -- keeps a persistent contiguous copy of a weight view up to date;
+* :class:`PackStep` -- keeps a persistent prepared copy of a weight view up to date (the
+  backend supplies how to write it: a plain copy, or its GEMM's packed layout);
 * :class:`ReleaseStep` -- drops tensors after their last use.
+
+The plan knows its device through its :class:`Allocator`: the arena, the persistent
+buffers and the fresh outputs are all allocated by it (``HOST``, :class:`TorchDeviceAllocator`
+for ``"cpu"``, allocates host memory; ``TorchDeviceAllocator("cuda")`` goes through torch's
+CUDA caching allocator), and constants are moved to its device once, when the plan is made.
 
 A *workspace* holds what one thread needs to run the plan: the arena tensor (one
 allocation holding every planned intermediate at its planned offset), tensor views of it
 for each planned slot, the pointer arrays of the native calls (arena pointers filled in
 once) and the bound call records.  Workspaces are per thread (``threading.local``), so
 **concurrent calls from several threads are safe**: they never share intermediate
-buffers.  Each thread pays for its own arena once.
+buffers.  Each thread pays for its own arena.
 
 Per call, the plan copies the slot template, stores the arguments, allocates the graph
 outputs that steps write into (fresh tensors: outputs escape to the caller), and runs one
@@ -37,17 +45,106 @@ from __future__ import annotations
 
 import ctypes
 import threading
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
+from .timing import best_time
+
 Slots = list[Any]
 BoundCall = Callable[[Slots], None]
+KernelCall = tuple[int, tuple[int, ...], tuple[int, ...]]
+"""One kernel launch: (index in the artifact's kernel table, slots of its pointer arguments,
+byte offsets added to them; ``()`` for none -- a kernel reads a view as its root's pointer
+plus the view's offset)."""
 
 
+# ------------------------------------------------------------------------------ device
+class Allocator(Protocol):
+    """Where a call plan's tensors live: every tensor the plan allocates comes from here."""
+
+    device: torch.device
+
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """An uninitialized tensor of ``shape`` and ``dtype`` on :attr:`device`."""
+        ...
+
+
+class TorchDeviceAllocator:
+    """Allocates through torch on ``device``: host memory for ``"cpu"``, torch's caching
+    allocator for ``"cuda"`` (so plans share the cache with the rest of the program)."""
+
+    def __init__(self, device: str | torch.device = "cpu"):
+        self.device = torch.device(device)
+
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype, device=self.device)
+
+    def __repr__(self) -> str:
+        return f"TorchDeviceAllocator({str(self.device)!r})"
+
+
+HOST = TorchDeviceAllocator("cpu")
+"""The host allocator (host backends' plans)."""
+
+
+class KernelLauncher(Protocol):
+    """How the native kernels of one loaded artifact are launched.
+
+    :meth:`bind` prepares, for one workspace, a call that launches ``kernels`` in order
+    (everything static -- pointers of slots in ``static``, whose tensors sit in
+    ``template`` -- precomputed), so a call costs one launch plus the pointers of the
+    dynamic slots.
+    """
+
+    def bind(self, kernels: Sequence[KernelCall], static: set[int], template: Slots) -> BoundCall: ...
+
+
+class HostLauncher:
+    """Host kernels of one shared object, through its table runner
+    ``runner(calls, n, ptrs)`` (a ctypes function of ``(const long *, long, void *const *)``),
+    which runs kernel ``table[calls[2i]]`` -- a ``void f(void *const *ptrs)`` -- on
+    ``ptrs + calls[2i+1]`` for ``i < n``.  ``ptrs`` concatenates every kernel's pointers, so
+    a run of kernels costs one foreign call (which releases the GIL)."""
+
+    def __init__(self, runner: Any):
+        self.runner = runner
+
+    def bind(self, kernels: Sequence[KernelCall], static: set[int], template: Slots) -> BoundCall:
+        total = sum(len(slots) for _, slots, _ in kernels)
+        ptrs = (ctypes.c_void_p * max(total, 1))()
+        calls = (ctypes.c_long * max(2 * len(kernels), 1))()
+        dynamic = []
+        pos = 0
+        for i, (index, slots, offsets) in enumerate(kernels):
+            calls[2 * i], calls[2 * i + 1] = index, pos
+            for slot, offset in zip(slots, offsets or (0,) * len(slots)):
+                if slot in static:
+                    ptrs[pos] = template[slot].data_ptr() + offset
+                else:
+                    dynamic.append((pos, slot, offset))
+                pos += 1
+        # Plain addresses: ctypes converts ints faster than array objects.
+        runner = _RUNNER_PROTOTYPE(ctypes.cast(self.runner, ctypes.c_void_p).value)
+        n, calls_at, ptrs_at = len(kernels), ctypes.addressof(calls), ctypes.addressof(ptrs)
+        keep = (calls, ptrs)  # the arrays live as long as the bound call
+
+        if not dynamic:
+            return lambda slots, _keep=keep: runner(calls_at, n, ptrs_at)
+
+        def call(slots: Slots, _keep=keep) -> None:
+            for p, slot, off in dynamic:
+                ptrs[p] = slots[slot].data_ptr() + off
+            runner(calls_at, n, ptrs_at)
+        return call
+
+
+_RUNNER_PROTOTYPE = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p)
+
+
+# ------------------------------------------------------------------------------ steps
 @dataclass(frozen=True)
 class SlotSpec:
     """A planned slot: an arena view (``offset`` in bytes) of ``shape``/``dtype``, a fresh
@@ -62,49 +159,16 @@ class SlotSpec:
 
 
 @dataclass(frozen=True)
-class KernelStep:
-    """Call ``function(ptrs)`` with the data pointers of ``slots`` (inputs, then outputs), each
-    advanced by its entry of ``offsets`` (bytes; a kernel reads a view as its root's pointer
-    plus the view's offset)."""
+class NativeRunStep:
+    """Consecutive native kernels launched by ``launcher`` as one call (see
+    :class:`KernelLauncher`; on the host, :class:`HostLauncher`)."""
 
-    function: Any  # a ctypes function taking one ``void **``
-    slots: tuple[int, ...]
-    offsets: tuple[int, ...] = ()
+    launcher: KernelLauncher
+    kernels: tuple[KernelCall, ...]
     label: str = ""
 
     def bind(self, static: set[int], template: Slots) -> BoundCall:
-        offsets = self.offsets or (0,) * len(self.slots)
-        ptrs = (ctypes.c_void_p * max(len(self.slots), 1))()
-        dynamic = []
-        for pos, (slot, offset) in enumerate(zip(self.slots, offsets)):
-            if slot in static:
-                ptrs[pos] = template[slot].data_ptr() + offset
-            else:
-                dynamic.append((pos, slot, offset))
-        fn = self.function
-        if not dynamic:
-            return lambda slots: fn(ptrs)
-        if len(dynamic) == 1:
-            (pos0, slot0, off0), = dynamic
-
-            def call_one(slots: Slots) -> None:
-                ptrs[pos0] = slots[slot0].data_ptr() + off0
-                fn(ptrs)
-            return call_one
-        if not any(off for _, _, off in dynamic):
-            pairs = [(pos, slot) for pos, slot, _ in dynamic]
-
-            def call(slots: Slots) -> None:
-                for pos, slot in pairs:
-                    ptrs[pos] = slots[slot].data_ptr()
-                fn(ptrs)
-            return call
-
-        def call_offsets(slots: Slots) -> None:
-            for pos, slot, off in dynamic:
-                ptrs[pos] = slots[slot].data_ptr() + off
-            fn(ptrs)
-        return call_offsets
+        return self.launcher.bind(self.kernels, static, template)
 
 
 @dataclass(frozen=True)
@@ -185,67 +249,23 @@ class ContiguousStep:
 
 
 @dataclass(frozen=True)
-class NativeRunStep:
-    """Consecutive native kernels in one call: ``runner(calls, n, ptrs)`` runs kernel
-    ``table[calls[2i]]`` on ``ptrs + calls[2i+1]`` for ``i < n``; ``ptrs`` concatenates every
-    kernel's pointers (see :class:`KernelStep`), so a run of kernels costs one foreign call."""
-
-    runner: Any  # a ctypes function (const long *, long, void *const *)
-    kernels: tuple[tuple[int, tuple[int, ...], tuple[int, ...]], ...]  # (table index, slots, offsets)
-    label: str = ""
-
-    def bind(self, static: set[int], template: Slots) -> BoundCall:
-        total = sum(len(slots) for _, slots, _ in self.kernels)
-        ptrs = (ctypes.c_void_p * max(total, 1))()
-        calls = (ctypes.c_long * (2 * len(self.kernels)))()
-        dynamic = []
-        pos = 0
-        for i, (index, slots, offsets) in enumerate(self.kernels):
-            calls[2 * i], calls[2 * i + 1] = index, pos
-            for slot, offset in zip(slots, offsets or (0,) * len(slots)):
-                if slot in static:
-                    ptrs[pos] = template[slot].data_ptr() + offset
-                else:
-                    dynamic.append((pos, slot, offset))
-                pos += 1
-        # Plain addresses: ctypes converts ints faster than array objects.
-        runner = _RUNNER_PROTOTYPE(ctypes.cast(self.runner, ctypes.c_void_p).value)
-        n, calls_at, ptrs_at = len(self.kernels), ctypes.addressof(calls), ctypes.addressof(ptrs)
-        keep = (calls, ptrs)  # the arrays live as long as the bound call
-
-        if not dynamic:
-            return lambda slots, _keep=keep: runner(calls_at, n, ptrs_at)
-
-        def call(slots: Slots, _keep=keep) -> None:
-            for p, slot, off in dynamic:
-                ptrs[p] = slots[slot].data_ptr() + off
-            runner(calls_at, n, ptrs_at)
-        return call
-
-
-_RUNNER_PROTOTYPE = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p)
-
-
-@dataclass(frozen=True)
 class PackStep:
-    """Keep ``target`` (a persistent tensor of the workspace) equal to a contiguous copy of
-    the view ``view = (shape, strides, offset)`` of the tensor in ``source``: the copy is
-    made again only when that tensor's storage or version counter changed since the last
-    call, so a weight prepacked for a GEMM follows in-place updates of the parameter."""
+    """Keep ``target`` (a persistent tensor of the workspace) equal to ``write(view, target)``
+    of the view ``view = (shape, strides, offset)`` of the tensor in ``source``: it is
+    written again only when that tensor's storage or version counter changed since the
+    last call, so a weight prepared for a GEMM follows in-place updates of the parameter.
+    ``write`` is the backend's (a plain copy, or the layout of its own GEMM)."""
 
     source: int
     view: tuple[tuple[int, ...], tuple[int, ...], int]
     target: int
+    write: Callable[[torch.Tensor, torch.Tensor], None]
     label: str = ""
-    panels: bool = False
-    """Write the ``K x N`` view as 16-column panels (``(ceil(N/16), K, 16)``, zero-padded),
-    the layout of kiln's own GEMM, instead of a plain contiguous copy."""
 
     def bind(self, static: set[int], template: Slots) -> BoundCall:
         target = template[self.target]
         shape, strides, offset = self.view
-        source = self.source
-        panels = self.panels
+        source, write = self.source, self.write
         last: list[object] = [None]
 
         def call(slots: Slots) -> None:
@@ -255,26 +275,9 @@ class PackStep:
             except RuntimeError:  # inference tensors have no version counter: always copy
                 key = None
             if key is None or key != last[0]:
-                view = torch.as_strided(w, shape, strides, w.storage_offset() + offset)
-                if panels:
-                    write_panels(view, target)
-                else:
-                    target.copy_(view)
+                write(torch.as_strided(w, shape, strides, w.storage_offset() + offset), target)
                 last[0] = key
         return call
-
-
-def write_panels(b: torch.Tensor, out: torch.Tensor) -> None:
-    """``b`` (``K x N``) into ``out`` (``(P, K, W)``) as ``W``-column panels, zero-padded."""
-    k, n = b.shape
-    width = out.shape[2]
-    full = n // width
-    if full:
-        out[:full].copy_(b[:, : full * width].reshape(k, full, width).permute(1, 0, 2))
-    rest = n - full * width
-    if rest:
-        out[full, :, :rest].copy_(b[:, full * width:])
-        out[full, :, rest:].zero_()
 
 
 @dataclass(frozen=True)
@@ -295,13 +298,14 @@ class ReleaseStep:
         return call
 
 
-Step = KernelStep | NativeRunStep | TorchStep | ViewStep | ContiguousStep | PackStep | ReleaseStep
+Step = NativeRunStep | TorchStep | ViewStep | ContiguousStep | PackStep | ReleaseStep
 
 
 def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
+# ------------------------------------------------------------------------------ the plan
 @dataclass
 class Workspace:
     """One thread's arena, slot template and bound calls."""
@@ -319,20 +323,26 @@ class CallPlan:
     Args:
         num_slots: number of slots; ``0 .. num_args-1`` are the arguments.
         num_args: how many tensors a call passes (user inputs, then parameters).
-        constants: slot -> tensor fixed at build time (graph constants, folded values).
-        planned: slots living in the arena (``offset`` set) or allocated fresh per call.
+        constants: slot -> tensor fixed at build time (graph constants, folded values);
+            moved to the allocator's device once.
+        planned: slots living in the arena (``offset`` set), allocated fresh per call, or
+            persistent per workspace.
         arena_bytes: size of the arena.
         steps: the steps, in execution order.
         outputs: slots returned, in graph-output order.
+        allocator: where every tensor the plan allocates lives (default :data:`HOST`).
     """
 
     def __init__(self, *, num_slots: int, num_args: int, constants: dict[int, torch.Tensor],
                  planned: Sequence[SlotSpec], arena_bytes: int, steps: Sequence[Step],
-                 outputs: Sequence[int], name: str = "graph", poison: bool = False):
+                 outputs: Sequence[int], name: str = "graph", poison: bool = False,
+                 allocator: Allocator = HOST):
         self.poison = poison
+        self.allocator = allocator
+        self.device = allocator.device
         self.num_slots = num_slots
         self.num_args = num_args
-        self.constants = dict(constants)
+        self.constants = {slot: t.to(self.device) for slot, t in constants.items()}
         self.arena_specs = [s for s in planned if s.offset is not None]
         self.persistent_specs = [s for s in planned if s.persistent]
         self.fresh_specs = [(s.slot, s.shape, s.dtype) for s in planned if s.offset is None and not s.persistent]
@@ -340,6 +350,7 @@ class CallPlan:
         self.steps = list(steps)
         self.outputs = list(outputs)
         self.name = name
+        self._empty = allocator.empty
         self._local = threading.local()
         self._workspaces = 0
         self._lock = threading.Lock()
@@ -360,20 +371,20 @@ class CallPlan:
         return ws
 
     def _make_workspace(self) -> Workspace:
-        arena = torch.empty(max(self.arena_bytes, 1), dtype=torch.uint8)
+        empty = self._empty
+        arena = empty((max(self.arena_bytes, 1),), torch.uint8)
         template: Slots = [None] * self.num_slots
         static: set[int] = set()
         for slot, tensor in self.constants.items():
             template[slot] = tensor
             static.add(slot)
         for spec in self.persistent_specs:
-            template[spec.slot] = torch.empty(spec.shape, dtype=spec.dtype)
+            template[spec.slot] = empty(spec.shape, spec.dtype)
             static.add(spec.slot)
         for spec in self.arena_specs:
-            nbytes = _numel(spec.shape) * _itemsize(spec.dtype)
+            nbytes = _numel(spec.shape) * spec.dtype.itemsize
             raw = arena[spec.offset: spec.offset + nbytes]
-            template[spec.slot] = raw.view(spec.dtype).view(spec.shape) if nbytes else \
-                torch.empty(spec.shape, dtype=spec.dtype)
+            template[spec.slot] = raw.view(spec.dtype).view(spec.shape) if nbytes else empty(spec.shape, spec.dtype)
             static.add(spec.slot)
         calls, labels = [], []
         for step in self.steps:
@@ -383,33 +394,34 @@ class CallPlan:
                 labels.append(f"{type(step).__name__}: {getattr(step, 'label', '')}")
         return Workspace(arena, template, calls, labels)
 
-    def __call__(self, args: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        ws = self.workspace()
+    def _slots(self, ws: Workspace, args: Sequence[torch.Tensor]) -> Slots:
         slots = ws.template.copy()
         slots[: self.num_args] = args
+        empty = self._empty
         for slot, shape, dtype in self.fresh_specs:
-            slots[slot] = torch.empty(shape, dtype=dtype)
+            slots[slot] = empty(shape, dtype)
+        return slots
+
+    def __call__(self, args: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        ws = self.workspace()
+        slots = ws.template.copy()  # as _slots does, inline: this is the per-call path
+        slots[: self.num_args] = args
+        empty = self._empty
+        for slot, shape, dtype in self.fresh_specs:
+            slots[slot] = empty(shape, dtype)
         if self.poison:
             self._poison(ws, slots)
         for call in ws.calls:
             call(slots)
         return [slots[i] for i in self.outputs]
 
-
     def profile(self, args: Sequence[torch.Tensor], repeat: int = 3) -> list[tuple[str, float]]:
-        """Seconds each bound call takes (best of ``repeat`` runs), with what it runs."""
+        """Seconds each bound call takes (:func:`kiln.runtime.timing.best_time`: the best of
+        ``repeat`` runs, one after the other, of each call in plan order), with what it runs."""
         ws = self.workspace()
-        best = [float("inf")] * len(ws.calls)
-        for _ in range(repeat):
-            slots = ws.template.copy()
-            slots[: self.num_args] = args
-            for slot, shape, dtype in self.fresh_specs:
-                slots[slot] = torch.empty(shape, dtype=dtype)
-            for i, call in enumerate(ws.calls):
-                start = time.perf_counter()
-                call(slots)
-                best[i] = min(best[i], time.perf_counter() - start)
-        return list(zip(ws.labels, best))
+        slots = self._slots(ws, args)
+        times = [best_time(lambda call=call: call(slots), repeat=repeat, warmup=0) for call in ws.calls]
+        return list(zip(ws.labels, times))
 
     def _poison(self, ws: Workspace, slots: Slots) -> None:
         """Fill the arena and the fresh outputs with garbage (NaN bytes), so a kernel that reads
@@ -427,9 +439,6 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
-__all__ = ["CallPlan", "ContiguousStep", "KernelStep", "NativeRunStep", "PackStep", "ReleaseStep", "SlotSpec", "Step",
-           "TorchStep", "ViewStep", "Workspace", "write_panels"]
+__all__ = ["HOST", "Allocator", "CallPlan", "ContiguousStep", "HostLauncher", "KernelCall", "KernelLauncher",
+           "NativeRunStep", "PackStep", "ReleaseStep", "SlotSpec", "Step", "TorchDeviceAllocator", "TorchStep",
+           "ViewStep", "Workspace"]

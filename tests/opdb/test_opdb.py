@@ -68,7 +68,7 @@ SUBSET = {
     "nn.functional.embedding_bag": S, "_segment_reduce.lengths": R, "take": S, "nonzero_static": S,
     "histogramdd": S,
 }
-# Ops kiln lowers with rules of kiln/frontends/torch/aten_math.py and ops of kiln/ir/ops/special.py
+# Ops kiln lowers with rules of kiln/frontends/torch/aten_special.py and ops of kiln/ir/ops/special.py
 # and linalg.py: forward on both backends, gradients (where torch has them) on reference.
 NEW_OPS = {"asin", "acosh", "asinh", "atanh", "sinh", "log10", "exp2", "lgamma", "digamma", "erfinv",
            "special.i1e", "signbit", "fmod", "remainder", "copysign", "fmax", "hypot", "ldexp",

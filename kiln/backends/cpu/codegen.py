@@ -3,7 +3,9 @@
 Each kernel is a (scheduled) loop program printed as a ``static`` C function, plus an
 exported entry point with one uniform signature, ``void kiln_kN(void *const *args)``, that
 receives the raw data pointers of its buffers in a fixed order.  What the printer adds to
-:func:`kiln.ir.loops.to_c`'s rules (it subclasses the same printer, overriding a few hooks):
+:func:`kiln.ir.loops.to_c`'s rules (:class:`KernelPrinter` specializes the loop IR's
+:class:`~kiln.ir.loops.cgen.CStylePrinter`, overriding its hooks for loops, statement
+targets, buffer parameters, local buffers and types):
 
 * **No user text reaches C.**  Buffers, parameters and iterators are renamed to generated
   identifiers (``b0``, ``v0``) before printing; kernel symbols are generated; comments pass
@@ -24,6 +26,8 @@ receives the raw data pointers of its buffers in a fixed order.  What the printe
 * **No aliasing.**  Global buffers are ``restrict`` parameters: the memory plan never lets
   a kernel's output share memory with its inputs.
 * Small local buffers live on the stack, zero-initialized; large ones are ``calloc``-ed.
+* ``f16`` and ``bf16`` kernels are not printed (:class:`UnsupportedKernelError`): the
+  backend runs them through its fallback, whose rounding matches the reference.
 * A kernel may start with a GEMM (:mod:`.gemm`) whose result its loops read (the fused
   epilogue of a matmul).
 * ``kiln_run(calls, n, ptrs)`` runs a sequence of the unit's kernels from a table in one
@@ -39,7 +43,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from kiln.ir.loops.cgen import _PRELUDE, _CPrinter, c_type
+from kiln.ir.loops.cgen import C_TYPES, CStylePrinter
 from kiln.ir.loops.expr import Const, Expr, Load, Var, free_vars, map_expr, walk
 from kiln.ir.loops.program import Buffer, If, Loop, Node, Param, Program, Reduce, Store
 from kiln.ir.types import DType
@@ -212,47 +216,33 @@ def nest_work(body: Sequence[Node]) -> int | None:
 
 
 # ----------------------------------------------------------------------------- printing
-class KernelPrinter(_CPrinter):
-    """:class:`kiln.ir.loops.cgen._CPrinter` with the cpu backend's hooks (module docstring)."""
+class KernelPrinter(CStylePrinter):
+    """The OpenMP C printer of the cpu backend: :class:`kiln.ir.loops.cgen.CStylePrinter`
+    with the hooks of the module docstring (``static`` functions, ``restrict`` buffers,
+    stack locals, OpenMP loops, reductions into registers, no half types)."""
+
+    types = {dtype: name for dtype, name in C_TYPES.items() if dtype not in (DType.float16, DType.bfloat16)}
+    function_prefix = "static "
 
     def __init__(self, program: Program):
         super().__init__(program)
         self._accs: dict[tuple[str, tuple[Expr, ...]], str] = {}
         self._in_parallel = False
+        self._collapsed: frozenset[str] = frozenset()
         self._n_accs = 0
 
-    # ---------------------------------------------------------------- function
-    def function(self, name: str) -> str:
-        p = self.program
-        args = [f"long {q.name}" for q in p.params if q.dtype.is_integer]
-        args += [f"{_ctype(q.dtype)} {q.name}" for q in p.params if not q.dtype.is_integer]
-        for b in p.buffers:
-            if b.scope == "global":
-                dims = [self.expr(d) for d in b.shape] or ["1"]
-                args.append(f"{_ctype(b.dtype)} {b.name}[restrict {dims[0]}]" + "".join(f"[{d}]" for d in dims[1:]))
-        self.lines.append(f"static void {name}({', '.join(args) or 'void'}) {{")
-        heap: list[Buffer] = []
-        for b in p.buffers:
-            if b.scope != "global" and self._local(b):
-                heap.append(b)
-        for n in p.body:
-            self.node(n, "  ")
-        for b in heap:
-            self.lines.append(f"  free({b.name});")
-        self.lines.append("}")
-        return "\n".join(self.lines)
+    @classmethod
+    def type_error(cls, dtype: DType) -> Exception:
+        return UnsupportedKernelError(f"dtype {dtype.short} has no C type in the cpu backend")
 
-    def _local(self, b: Buffer) -> bool:
-        """Declare local buffer ``b``; True when it was heap-allocated (needs a free)."""
-        t = _ctype(b.dtype)
-        dims = [self.expr(d) for d in b.shape] or ["1"]
+    # ---------------------------------------------------------------- function
+    def buffer_param(self, b: Buffer) -> str:
+        dims = self.dims(b)
+        return f"{self.type_name(b.dtype)} {b.name}[restrict {dims[0]}]" + "".join(f"[{d}]" for d in dims[1:])
+
+    def stack_local(self, b: Buffer) -> bool:
         size = _static_size(b)
-        if size is not None and size * b.dtype.itemsize <= STACK_LOCAL_BYTES:
-            self.lines.append(f"  {t} {b.name}{''.join(f'[{d}]' for d in dims)} = {{0}};")
-            return False
-        inner = "".join(f"[{d}]" for d in dims[1:])
-        self.lines.append(f"  {t} (*{b.name}){inner} = calloc(KILN_MAX({dims[0]}, 1), sizeof *{b.name});")
-        return True
+        return size is not None and size * b.dtype.itemsize <= STACK_LOCAL_BYTES
 
     # ---------------------------------------------------------------- loops
     def loop(self, n: Loop, ind: str) -> None:
@@ -268,40 +258,37 @@ class KernelPrinter(_CPrinter):
         return bool(self._accs) and all((s.buffer, s.indices) in self._accs for s in _statements((n,)))
 
     def _plain_loop(self, n: Loop, ind: str, pragma: str | None = None) -> None:
+        """Loop ``n`` with ``pragma``, or the pragmas of :meth:`loop_pragmas`; a parallel
+        region it opens closes after its body."""
+        state = self._in_parallel, self._collapsed
+        if n.iterator in self._collapsed:
+            lines: list[str] = []  # an inner loop of a collapse(n) region: OpenMP allows no pragma between them
+        else:
+            lines = [pragma] if pragma is not None else self.loop_pragmas(n)
+        self.lines += [ind + line for line in lines]
+        self.for_loop(n, ind)
+        self._in_parallel, self._collapsed = state
+
+    def loop_pragmas(self, n: Loop) -> list[str]:
+        """OpenMP for ``n``: a parallel loop outside any region opens one (``collapse`` over
+        directly nested parallel loops); a vectorized loop, an innermost parallel loop inside
+        a region and an innermost loop accumulating into registers get ``omp simd``."""
         ann = n.annotation
-        opened_parallel = False
-        collapsed = getattr(self, "_collapsed", set())
-        if n.iterator in collapsed:
-            pass  # an inner loop of a collapse(n) region: OpenMP allows no pragma between them
-        elif pragma is not None:
-            self.lines.append(f"{ind}{pragma}")
-        elif ann.mode == "parallel" and not self._in_parallel:
+        if ann.mode == "parallel" and not self._in_parallel:
             depth = self._collapse_depth(n)
             clause = f" collapse({depth})" if depth > 1 else ""
-            self.lines.append(f"{ind}#pragma omp parallel for schedule(static){clause}")
-            self._in_parallel = opened_parallel = True
             inner, cur = set(), n
             for _ in range(depth - 1):
                 cur = cur.body[0]
                 inner.add(cur.iterator)
-            self._collapsed = collapsed | inner
-        elif ann.mode == "vectorized" or (ann.mode == "parallel" and self._is_innermost(n)):
-            reduction = self._simd_reduction_clause(n)
-            self.lines.append(f"{ind}#pragma omp simd{reduction}")
-        elif ann.mode == "unrolled":
-            self.lines.append(f"{ind}#pragma GCC unroll {ann.factor}")
-        elif self._accs and self._is_innermost(n):
-            self.lines.append(f"{ind}#pragma omp simd{self._simd_reduction_clause(n)}")
-        it = n.iterator
-        self.var_dtypes[it] = DType.int64
-        step = f"{it}++" if n.step == 1 else f"{it} += {n.step}"
-        self.lines.append(f"{ind}for (long {it} = {self.expr(n.lower)}; {it} < {self.expr(n.upper)}; {step}) {{")
-        for c in n.body:
-            self.node(c, ind + "  ")
-        self.lines.append(f"{ind}}}")
-        if opened_parallel:
-            self._in_parallel = False
-            self._collapsed = collapsed
+            self._in_parallel, self._collapsed = True, self._collapsed | inner
+            return [f"#pragma omp parallel for schedule(static){clause}"]
+        if ann.mode == "unrolled":
+            return super().loop_pragmas(n)
+        innermost = self._is_innermost(n)
+        if ann.mode == "vectorized" or (innermost and (ann.mode == "parallel" or bool(self._accs))):
+            return [f"#pragma omp simd{self._simd_reduction_clause(n)}"]
+        return []
 
     def _collapse_depth(self, n: Loop) -> int:
         depth, outer, cur = 1, {n.iterator}, n
@@ -338,7 +325,7 @@ class KernelPrinter(_CPrinter):
             acc = f"acc{self._n_accs}"
             self._n_accs += 1
             names.append(acc)
-            self.lines.append(f"{inner}{_ctype(self.buf_dtypes[buffer])} {acc} = {self.ref(buffer, indices)};")
+            self.lines.append(f"{inner}{self.type_name(self.buf_dtypes[buffer])} {acc} = {self.ref(buffer, indices)};")
             self._accs[(buffer, indices)] = acc
         pragma = None
         work = nest_work((n,))
@@ -358,24 +345,10 @@ class KernelPrinter(_CPrinter):
         self.lines.append(f"{ind}}}")
 
     # ---------------------------------------------------------------- statements
-    def statement(self, s: Store | Reduce, ind: str) -> None:
+    def target(self, s: Store | Reduce) -> str:
+        """A reduction whose cell accumulates in a register writes the register."""
         acc = self._accs.get((s.buffer, s.indices)) if isinstance(s, Reduce) else None
-        if acc is None:
-            super().statement(s, ind)
-            return
-        value = self.expr(s.value)
-        if s.combiner in ("+", "*"):
-            self.lines.append(f"{ind}{acc} {s.combiner}= {value};")
-        else:
-            macro = "KILN_MAX" if s.combiner == "max" else "KILN_MIN"
-            self.lines.append(f"{ind}{acc} = {macro}({acc}, {value});")
-
-
-def _ctype(dtype: DType) -> str:
-    try:
-        return c_type(dtype)
-    except ValueError:
-        raise UnsupportedKernelError(f"dtype {dtype.short} has no C type in the cpu backend") from None
+        return acc if acc is not None else super().target(s)
 
 
 def _static_size(b: Buffer) -> int | None:
@@ -437,7 +410,7 @@ def _static_array(name: str, buffer: Buffer, data: np.ndarray) -> str:
     """``static const T name[n] = {...};`` holding ``data`` exactly (hex float literals)."""
     values = np.asarray(data, dtype=buffer.dtype.numpy).reshape(-1)
     text = ", ".join(_c_literal(v, buffer.dtype) for v in values.tolist()) or "0"
-    return f"static const {_ctype(buffer.dtype)} {name}[{max(values.size, 1)}] = {{{text}}};\n"
+    return f"static const {KernelPrinter.type_name(buffer.dtype)} {name}[{max(values.size, 1)}] = {{{text}}};\n"
 
 
 def _c_literal(value: float, dtype: DType) -> str:
@@ -466,7 +439,7 @@ def translation_unit(kernels: Sequence[KernelSource], declarations: str = "") ->
     """One C file holding every kernel (see the module docstring) and ``kiln_run``, which runs
     a sequence of them in one call (kernel ``i`` of the table is ``kernels[i]``);
     ``declarations`` go after the prelude (the vector math declarations of :mod:`.toolchain`)."""
-    parts = ["/* generated by kiln's cpu backend */", "#include <string.h>", _PRELUDE, declarations]
+    parts = ["/* generated by kiln's cpu backend */", "#include <string.h>", KernelPrinter.prelude, declarations]
     if any(k.gemm is not None for k in kernels):
         parts.append(blas_prelude())
     parts += [kernel_function(k) for k in kernels]

@@ -36,7 +36,6 @@ import glob
 import json
 import math
 import os
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -44,9 +43,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from kiln.backends.common.choices import ChoiceStore
 from kiln.ir.types import DType, broadcast_shapes
+from kiln.runtime.timing import best_time
 
-from .choices import ChoiceStore
 from .microgemm import MicroGemm, packed_shape
 
 _CTYPE = {DType.float32: "float", DType.float64: "double"}
@@ -108,8 +108,8 @@ class GemmSpec:
     b_strides: tuple[int, ...] = ()
     provider: str = "mkl"
     packed_b: bool = False
-    """B is read from a contiguous copy of the (transposed) weight that the runtime keeps
-    up to date (:class:`kiln.runtime.call_plan.PackStep`)."""
+    """B is read from a prepared copy of the (transposed) weight that the runtime keeps up
+    to date (a :class:`kiln.runtime.call_plan.PackStep` of :mod:`.packing`)."""
 
     @property
     def flops(self) -> int:
@@ -329,21 +329,18 @@ TUNE_SECONDS = 0.25
 
 
 def _fastest(runs: dict[str, Callable[[], None]], rounds: int = 5) -> str:
-    """The name of the fastest call: each is warmed up, then all are timed in turn for up
-    to ``rounds`` rounds (fewer for big GEMMs, about :data:`TUNE_SECONDS` in all) and the best
-    time of each counts (interleaving makes a disturbance by other processes hit every
-    candidate alike)."""
-    best = dict.fromkeys(runs, float("inf"))
-    for name, run in runs.items():
-        start = time.perf_counter()
-        run()
-        best[name] = time.perf_counter() - start
+    """The name of the fastest call: each is warmed up (and timed), then all are timed in
+    turn for up to ``rounds`` rounds (fewer for big GEMMs, about :data:`TUNE_SECONDS` in all)
+    and the best time of each counts (interleaving makes a disturbance by other processes hit
+    every candidate alike).  Each timing is one :func:`kiln.runtime.timing.best_time` call."""
+    def once(run: Callable[[], None]) -> float:
+        return best_time(run, repeat=1, warmup=0)
+
+    best = {name: once(run) for name, run in runs.items()}
     rounds = max(1, min(rounds, int(TUNE_SECONDS / max(sum(best.values()), 1e-9))))
     for _ in range(rounds):
         for name, run in runs.items():
-            start = time.perf_counter()
-            run()
-            best[name] = min(best[name], time.perf_counter() - start)
+            best[name] = min(best[name], once(run))
     return min(best, key=best.__getitem__)
 
 

@@ -24,36 +24,28 @@ tensor.  Weights are not prepacked: parameters are read live at every call (kiln
 contract), and MKL consumes the transposed weight views that ``nn.Linear`` produces
 without copying them.
 
-Also here: :data:`VIEWS` (the zero-copy torch equivalent of each ``view`` op) and
-:func:`reference_call`, which runs any node with its numpy reference implementation -- the
-fallback for nodes nothing else can run.
+Also here: :func:`reference_call`, which runs any node with its numpy reference
+implementation on the host -- how this backend runs nodes nothing else can run -- and
+:data:`SELECTION`, the implementation rule over this table (:mod:`kiln.backends.common.select`):
+:func:`rule_choice` and :func:`generated_choice`.  :class:`LibraryCall` and the torch views
+(:data:`kiln.backends.common.library.VIEWS`) are device-neutral and live in
+:mod:`kiln.backends.common.library`.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+from kiln.backends.common.library import LibraryCall
+from kiln.backends.common.select import Selection
 from kiln.ir import Node
 from kiln.ir.types import DType, normalize_dim
 from kiln.runtime.tensors import from_numpy, to_numpy
-
-
-@dataclass(frozen=True)
-class LibraryCall:
-    """``function(*inputs, *outputs)`` when ``writes_into``, else ``function(*inputs)``
-    returning the result(s); ``channels_last`` results are NCHW tensors stored NHWC."""
-
-    function: Callable[..., object]
-    writes_into: bool
-    label: str
-    channels_last: bool = False
-    """The (4-d) result comes back in channels-last memory order."""
 
 
 def _matmul(node: Node, persistent: Sequence[bool] = ()) -> LibraryCall:
@@ -218,41 +210,6 @@ def library_call(node: Node, persistent: Sequence[bool] = ()) -> LibraryCall:
     return LIBRARY[name](node, persistent)
 
 
-# ------------------------------------------------------------------------------ views
-def _reshape(node: Node) -> Callable[[torch.Tensor], torch.Tensor]:
-    shape = tuple(node.outputs[0].shape)
-    return lambda t: t.reshape(shape)
-
-
-def _permute(node: Node) -> Callable[[torch.Tensor], torch.Tensor]:
-    rank = node.inputs[0].type.rank
-    dims = tuple(normalize_dim(d, rank) for d in node.attrs["dims"])
-    return lambda t: t.permute(dims)
-
-
-def _expand(node: Node) -> Callable[[torch.Tensor], torch.Tensor]:
-    shape = tuple(node.outputs[0].shape)
-    return lambda t: t.expand(shape)
-
-
-def _slice(node: Node) -> Callable[[torch.Tensor], torch.Tensor]:
-    axis = normalize_dim(node.attrs["dim"], node.inputs[0].type.rank)
-    index = (slice(None),) * axis + (slice(node.attrs["start"], node.attrs["end"], node.attrs["step"]),)
-    return lambda t: t[index]
-
-
-def _select(node: Node) -> Callable[[torch.Tensor], torch.Tensor]:
-    dim, index = node.attrs["dim"], node.attrs["index"]
-    return lambda t: t.select(dim, index)
-
-
-VIEWS: dict[str, Callable[[Node], Callable[[torch.Tensor], torch.Tensor]]] = {
-    "reshape": _reshape, "permute": _permute, "expand": _expand, "slice": _slice, "select": _select,
-}
-"""View op -> builder of its zero-copy torch function (``reshape`` copies only when torch
-must, exactly as ``Tensor.reshape`` does)."""
-
-
 # ------------------------------------------------------------------------------ reference
 def reference_call(node: Node) -> LibraryCall:
     """Run ``node`` with its op's numpy reference on zero-copy numpy views of the tensors;
@@ -273,4 +230,17 @@ def reference_call(node: Node) -> LibraryCall:
     return LibraryCall(run_reference, False, f"reference:{node.op_name}")
 
 
-__all__ = ["LIBRARY", "VIEWS", "LibraryCall", "library_call", "library_name", "reference_call"]
+def has_library(node: Node) -> bool:
+    """Whether this backend has a library call for ``node``."""
+    return library_name(node) is not None
+
+
+SELECTION = Selection(has_library, host_reference=True)
+"""The cpu backend's implementations: its library table, generated kernels, and the numpy
+reference on the host for every node with one."""
+rule_choice = SELECTION.rule
+generated_choice = SELECTION.generated
+
+
+__all__ = ["LIBRARY", "SELECTION", "library_call", "library_name", "generated_choice", "has_library",
+           "reference_call", "rule_choice"]

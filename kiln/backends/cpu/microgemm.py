@@ -6,7 +6,8 @@
 * **B in panels.**  B is stored as ``ceil(N/16)`` panels of 16 columns, each ``K x 16``
   contiguous (:func:`pack_panels`; the last panel is zero-padded).  Weights are packed once,
   when the plan first runs, and again only when the parameter changes
-  (:class:`kiln.runtime.call_plan.PackStep` with ``panels``); other right operands are packed at
+  (a :class:`kiln.runtime.call_plan.PackStep` the cpu backend writes with
+  :func:`kiln.backends.cpu.packing.write_panels`); other right operands are packed at
   every call into a scratch buffer (a cost of ``K*N`` copies beside ``M*K*N`` multiply-adds).
 * **A in micro-panels.**  Per ``KC x MC`` block, A is copied into 6-row micro-panels whose
   6 values for one ``k`` are adjacent, so the micro-kernel broadcasts from one stream.
@@ -21,7 +22,8 @@ On the 2-core AMD EPYC (Zen 2, AVX2) development machine this runs the GEMMs of 
 at ~185-190 GFLOP/s (2 threads), against ~120-135 GFLOP/s for torch's MKL ``sgemm``.
 
 The C lives in one standalone shared object (:func:`library`), built once per compiler and
-machine and kept in the compile cache; generated kernels call it through a function pointer
+machine by the cpu backend's C toolchain and kept in the artifact cache (addressed by its
+source and the compiler's identity); generated kernels call it through a function pointer
 set after loading (``kiln_set_mgemm``), like the BLAS providers of :mod:`.gemm`.
 """
 
@@ -29,16 +31,16 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from kiln.runtime.cache import CompileCache, cache_key
-from kiln.runtime.call_plan import write_panels
+from kiln.backends.common.toolchain import build_cached
+from kiln.runtime.cache import CompileCache
 
 from . import toolchain
+from .packing import write_panels
 
 NR = 16
 """Columns of a B panel (and of the micro-kernel's tile)."""
@@ -247,13 +249,8 @@ def library(cache: CompileCache, cc: str) -> MicroGemm | None:
 @functools.lru_cache(maxsize=8)
 def _load(directory: str | None, cc: str) -> MicroGemm | None:
     cache = CompileCache(directory, enabled=directory is not None)
-    key = cache_key("kiln-microgemm " + hashlib.sha256(SOURCE.encode()).hexdigest(), {},
-                    toolchain.compiler_identity(cc), "microgemm/1")
     try:
-        entry = cache.lookup(key)
-        if entry is None:
-            built = toolchain.compile_shared_object(SOURCE, cache.scratch_dir(), cc)
-            entry = cache.store(key, SOURCE, built, {"kernels": []})
+        entry = build_cached(toolchain.cpu_compiler(cc), SOURCE, cache, manifest={"kernels": []})
         lib = ctypes.CDLL(str(Path(entry.library)))
     except (OSError, toolchain.CompileError):
         return None

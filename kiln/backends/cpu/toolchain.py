@@ -1,60 +1,133 @@
 """The C toolchain of the cpu backend: find the compiler, name it, build shared objects.
 
+:class:`CCompiler` is the host C compiler as a :class:`kiln.backends.common.toolchain.Toolchain`
+(artifact ``"so"``, source suffix ``"c"``): one compiler and one set of flags, with an
+:meth:`~CCompiler.identity` (its ``--version`` text, the flags, the machine and a digest of
+the CPU, since ``-march=native`` code is CPU-specific) and a :meth:`~CCompiler.build` that
+runs it.  The compiler is found once, by :func:`c_compiler` (``$CC``, else ``cc``, ``gcc``
+or ``clang``).
+
 Every graph becomes one translation unit compiled once with
-``cc -O3 -march=native -fopenmp -fno-math-errno -shared -fPIC`` (:data:`FLAGS`).  The
-compiler's identity (its ``--version`` text, the flags and the machine) and the kiln build
-identity (version plus a hash of the code-generating sources) are part of the compile-cache
-key, so a new compiler, new flags, another CPU or changed kiln code never reuse an old
-shared object.
+``cc -O3 -march=native -fopenmp -fno-math-errno -shared -fPIC`` (:data:`FLAGS`; the
+toolchain :func:`cpu_compiler` returns).  Its identity and the kiln build identity (version
+plus a hash of the code-generating sources) are part of the compile-cache key, so a new
+compiler, new flags, another CPU or changed kiln code never reuse an old shared object.  The
+loop-program runner (:mod:`.native`) uses the same class with its own flags.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.metadata
 import os
 import platform
-import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 from kiln.backends.base import BackendError
+from kiln.backends.common.toolchain import find_tool
 
 FLAGS: tuple[str, ...] = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-std=gnu11",
                           "-shared", "-fPIC")
 """Flags of every compile (``-fno-math-errno`` lets math calls vectorize; results are the same)."""
 LIBS: tuple[str, ...] = ("-lm",)
+C_COMPILERS: tuple[str, ...] = ("cc", "gcc", "clang")
+"""Programs tried, in order, when ``$CC`` names none."""
 
 # Sources whose change changes generated code: hashed into the build identity.
-_CODEGEN_PACKAGES = ("backends/cpu", "passes/lower.py", "passes/lowering", "ir/loops", "ir/poly",
-                     "passes/schedule", "ir/ops")
+_CODEGEN_PACKAGES = ("backends/cpu", "backends/common", "passes/lower.py", "passes/lowering", "ir/loops",
+                     "ir/poly", "passes/schedule", "ir/ops")
+_KILN_ROOT = Path(__file__).resolve().parents[2]
 
 
 class CompileError(BackendError):
-    """The C compiler rejected generated code (a kiln bug); carries the compiler output."""
+    """The C compiler rejected generated code (a kiln bug); carries the compiler output
+    (``stderr``) and the path of the kept source (``source_path``)."""
+
+    def __init__(self, message: str, stderr: str = "", source_path: str = ""):
+        super().__init__(message)
+        self.stderr = stderr
+        self.source_path = source_path
+
+
+def c_compiler() -> str | None:
+    """The C compiler to use: ``$CC``, else ``cc``, ``gcc`` or ``clang``; ``None`` without one."""
+    return find_tool("CC", C_COMPILERS)
 
 
 def find_compiler() -> str:
-    """``$CC``, else ``cc``, ``gcc`` or ``clang``; raises :class:`BackendError` without one."""
-    for candidate in (os.environ.get("CC"), "cc", "gcc", "clang"):
-        if candidate and shutil.which(candidate):
-            return candidate
-    raise BackendError("kiln backend 'cpu' needs a C compiler with OpenMP: set $CC or install gcc "
-                       "(e.g. apt-get install gcc); the 'reference' backend runs without one")
+    """:func:`c_compiler`, raising :class:`BackendError` when there is none."""
+    cc = c_compiler()
+    if cc is None:
+        raise BackendError("kiln backend 'cpu' needs a C compiler with OpenMP: set $CC or install gcc "
+                           "(e.g. apt-get install gcc); the 'reference' backend runs without one")
+    return cc
 
 
-@functools.lru_cache(maxsize=8)
-def compiler_identity(cc: str) -> str:
-    """``cc --version`` (first lines), the flags and the machine: what a cache key needs."""
+@dataclass(frozen=True)
+class CCompiler:
+    """The host C compiler ``cc`` with ``flags`` (compile and link, ``-shared -fPIC``
+    included) and ``libs``, as a toolchain that builds shared objects.  ``notes`` are extra
+    identity lines for whatever else changes the meaning of a build (the cpu backend's
+    vector-math set)."""
+
+    cc: str
+    flags: tuple[str, ...]
+    libs: tuple[str, ...] = LIBS
+    notes: tuple[str, ...] = ()
+    name: ClassVar[str] = "cc"
+    artifact: ClassVar[str] = "so"
+    source_suffix: ClassVar[str] = "c"
+
+    def identity(self) -> str:
+        """``cc --version``, the flags, the notes, the machine and the CPU digest."""
+        return _identity(self.cc, self.flags + self.libs, self.notes)
+
+    def build(self, source: str, folder: Path) -> Path:
+        """Compile ``source`` into a shared object in ``folder``; returns its path.
+
+        Raises :class:`CompileError` with the compiler's messages and the path of the kept
+        source when compilation fails.
+        """
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, src_name = tempfile.mkstemp(prefix="kiln-", suffix=".c", dir=folder)
+        with os.fdopen(fd, "w") as f:
+            f.write(source)
+        out = Path(src_name).with_suffix(".so")
+        cmd = [self.cc, *self.flags, src_name, "-o", str(out), *self.libs]
+        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if proc.returncode != 0:
+            raise CompileError(f"kiln backend 'cpu': the C compiler failed on generated code (a kiln bug; "
+                               f"please report it with the source kept at {src_name}):\n{proc.stderr[-4000:]}",
+                               proc.stderr, src_name)
+        return out
+
+
+@functools.lru_cache(maxsize=32)
+def _identity(cc: str, flags: tuple[str, ...], notes: tuple[str, ...]) -> str:
     try:
         proc = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30, check=False)
         version = proc.stdout.strip() or proc.stderr.strip()
     except (OSError, subprocess.SubprocessError) as e:
         raise BackendError(f"kiln backend 'cpu': cannot run the C compiler {cc!r}: {e}") from e
-    return "\n".join([f"cc={cc}", version, "flags=" + " ".join(FLAGS + link_libraries(cc)),
-                      "vector-math=" + ",".join(vector_math(cc)), f"machine={platform.machine()}",
+    return "\n".join([f"cc={cc}", version, "flags=" + " ".join(flags), *notes, f"machine={platform.machine()}",
                       f"cpu={_cpu_signature()}"])
+
+
+def cpu_compiler(cc: str | None = None) -> CCompiler:
+    """The toolchain of the cpu backend: ``cc`` (default :func:`find_compiler`) with
+    :data:`FLAGS` and :func:`link_libraries`."""
+    cc = cc or find_compiler()
+    return CCompiler(cc, FLAGS, link_libraries(cc), ("vector-math=" + ",".join(vector_math(cc)),))
+
+
+def compiler_identity(cc: str) -> str:
+    """The identity of :func:`cpu_compiler` for ``cc``: what a cache key needs."""
+    return cpu_compiler(cc).identity()
 
 
 def _cpu_signature() -> str:
@@ -71,17 +144,18 @@ def _cpu_signature() -> str:
 def build_identity() -> str:
     """kiln's version plus a hash of the sources that generate code (so an edited kiln never
     loads a shared object built by an older one)."""
-    import kiln
-
-    root = Path(kiln.__file__).parent
     h = hashlib.sha256()
     for rel in _CODEGEN_PACKAGES:
-        path = root / rel
+        path = _KILN_ROOT / rel
         files = sorted(path.rglob("*.py")) if path.is_dir() else ([path] if path.exists() else [])
         for f in files:
-            h.update(str(f.relative_to(root)).encode())
+            h.update(str(f.relative_to(_KILN_ROOT)).encode())
             h.update(f.read_bytes())
-    return f"kiln {kiln.__version__} {h.hexdigest()[:24]}"
+    try:
+        version = importlib.metadata.version("kiln")
+    except importlib.metadata.PackageNotFoundError:  # a source tree that is not installed
+        version = "source"
+    return f"kiln {version} {h.hexdigest()[:24]}"
 
 
 # Math functions with vector variants in glibc's libmvec: 2.35+ has all, 2.22+ the first five.
@@ -134,24 +208,11 @@ def link_libraries(cc: str) -> tuple[str, ...]:
 
 
 def compile_shared_object(source: str, folder: Path, cc: str | None = None) -> Path:
-    """Compile ``source`` into a shared object in ``folder``; returns its path.
-
-    Raises :class:`CompileError` with the compiler's messages and the path of the kept
-    source when compilation fails.
-    """
-    cc = cc or find_compiler()
-    folder.mkdir(parents=True, exist_ok=True)
-    fd, src_name = tempfile.mkstemp(prefix="kiln-", suffix=".c", dir=folder)
-    with os.fdopen(fd, "w") as f:
-        f.write(source)
-    out = Path(src_name).with_suffix(".so")
-    cmd = [cc, *FLAGS, src_name, "-o", str(out), *link_libraries(cc)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    if proc.returncode != 0:
-        raise CompileError(f"kiln backend 'cpu': the C compiler failed on generated code (a kiln bug; "
-                           f"please report it with the source kept at {src_name}):\n{proc.stderr[-4000:]}")
-    return out
+    """Compile ``source`` with :func:`cpu_compiler` into a shared object in ``folder``;
+    returns its path (:meth:`CCompiler.build`)."""
+    return cpu_compiler(cc).build(source, folder)
 
 
-__all__ = ["FLAGS", "CompileError", "build_identity", "compile_shared_object", "compiler_identity",
-           "find_compiler", "link_libraries", "vector_math", "vector_math_declarations"]
+__all__ = ["C_COMPILERS", "FLAGS", "LIBS", "CCompiler", "CompileError", "build_identity", "c_compiler",
+           "compile_shared_object", "compiler_identity", "cpu_compiler", "find_compiler", "link_libraries",
+           "vector_math", "vector_math_declarations"]

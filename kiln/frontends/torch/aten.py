@@ -6,6 +6,19 @@ cannot be lowered (e.g. a transposed convolution).  The same table answers both 
 node" (:mod:`kiln.frontends.torch.capture`) and "can kiln run this node?" (the fallback partitioner,
 through :func:`kiln.frontends.torch.capture.is_supported`), so the two can never disagree.
 
+A rule also states two facts about its ATen ops, so that an op's facts are declared once,
+where kiln lowers it:
+
+* ``keep=True`` -- kiln lowers the op whole and better than torch's decomposition of it
+  (``silu``, ``layer_norm``, ``scaled_dot_product_attention``...): the op is left out of
+  :func:`kiln.frontends.torch.export.decomposition_table`, so it reaches this rule;
+* ``fresh=True`` -- the op's result never shares memory with an operand (``conv2d``,
+  ``add``, ``clone``...), which lets :mod:`kiln.frontends.torch.aten_inplace` prove an
+  in-place write to it unobservable.  :func:`lowers` refuses the flag on an op whose schema
+  says otherwise (a result with an alias annotation, or a mutated argument); the schema
+  alone does not prove it, since composite ops may return an operand itself (``dropout``
+  in eval mode, ``type_as``), so the flag is a reviewed declaration, not a derivation.
+
 Both functions receive the ATen call's arguments bound to its schema, in schema order, with
 defaults filled in (keyword-only arguments included).  ``check(node, *args)`` sees the raw FX
 arguments (``torch.fx.Node`` for tensors) and returns ``None`` when the call is supported or
@@ -14,7 +27,8 @@ place of tensors and returns a ``Value``, or a sequence for multi-result ops who
 be zero-argument callables, built only if a ``getitem`` asks for them.
 
 The rules themselves live by family, one module each: :mod:`~kiln.frontends.torch.aten_math`
-(elementwise, special functions, casts, reductions), :mod:`~kiln.frontends.torch.aten_layout`
+(elementwise arithmetic, casts, reductions, softmax), :mod:`~kiln.frontends.torch.aten_special`
+(special functions, float manipulation, norms, determinants and solves), :mod:`~kiln.frontends.torch.aten_layout`
 (layout, creation, padding), :mod:`~kiln.frontends.torch.aten_indexing` (sorting, scans, scatters,
 index writes), :mod:`~kiln.frontends.torch.aten_linalg` (factorizations and solvers),
 :mod:`~kiln.frontends.torch.aten_nn` (matmul, conv, pooling, upsampling, embedding),
@@ -38,6 +52,7 @@ import numpy as np
 import torch
 
 from kiln.ir import DType, Graph, TensorType, Value
+from kiln.ir.builder import GraphBuilder
 
 aten = torch.ops.aten
 
@@ -47,10 +62,15 @@ CheckFn = Callable[..., "str | None"]
 
 @dataclass(frozen=True)
 class AtenRule:
-    """How one ATen overload becomes kiln nodes; see the module docstring."""
+    """How one ATen overload becomes kiln nodes, and what kiln knows about the overload; see
+    the module docstring."""
 
     lower: LowerFn
     check: CheckFn | None = None
+    keep: bool = False
+    """Kept whole: left out of the export decomposition table."""
+    fresh: bool = False
+    """The result never shares memory with an operand."""
 
 
 ATEN_TABLE: dict[Any, AtenRule] = {}
@@ -59,17 +79,48 @@ IGNORED_OPS: set[Any] = set()
 """ATen ops with no result that only assert facts PyTorch already checked; dropped."""
 
 
-def lowers(*ops: Any, check: CheckFn | None = None) -> Callable[[LowerFn], LowerFn]:
-    """Decorator registering ``fn`` as the lowering of every ATen overload in ``ops``."""
+def lowers(*ops: Any, check: CheckFn | None = None, keep: bool = False,
+           fresh: bool = False) -> Callable[[LowerFn], LowerFn]:
+    """Decorator registering ``fn`` as the lowering of every ATen overload in ``ops``, with
+    the facts ``keep`` and ``fresh`` (see the module docstring) about each of them."""
+    if fresh:
+        for op in ops:
+            reason = _not_fresh_by_schema(op)
+            if reason is not None:
+                raise ValueError(f"ATen op {op} cannot be declared fresh: {reason}")
 
     def wrap(fn: LowerFn) -> LowerFn:
         for op in ops:
             if op in ATEN_TABLE:
                 raise ValueError(f"ATen op {op} has two kiln lowerings")
-            ATEN_TABLE[op] = AtenRule(fn, check)
+            ATEN_TABLE[op] = AtenRule(fn, check, keep=keep, fresh=fresh)
         return fn
 
     return wrap
+
+
+def _not_fresh_by_schema(op: Any) -> str | None:
+    """Why ``op``'s schema contradicts "its result is a new tensor", or ``None``."""
+    schema = getattr(op, "_schema", None)
+    if schema is None:
+        return "it has no schema"
+    if schema.is_mutable:
+        return "it writes one of its arguments"
+    if any(r.alias_info is not None for r in schema.returns):
+        return "its schema says a result aliases an argument"
+    return None
+
+
+def kept_ops() -> frozenset[Any]:
+    """The ATen overloads whose rules keep them whole (``keep=True``)."""
+    return frozenset(op for op, rule in ATEN_TABLE.items() if rule.keep)
+
+
+def is_fresh(target: Any) -> bool:
+    """Whether ATen overload ``target`` always returns a new tensor (its rule says
+    ``fresh=True``); ``False`` for an op kiln has no rule for."""
+    rule = ATEN_TABLE.get(target)
+    return rule is not None and rule.fresh
 
 
 def optional_ops(*names: str) -> list[Any]:
@@ -147,20 +198,26 @@ _HALF_TYPES = (DType.float16, DType.bfloat16)
 
 
 # ------------------------------------------------------------------------ context
-class LoweringContext:
-    """What a lowering function may use to emit kiln nodes for one ATen node."""
+class LoweringContext(GraphBuilder):
+    """What a lowering function may use to emit kiln nodes for one ATen node.
+
+    A :class:`~kiln.ir.builder.GraphBuilder` appending to ``graph``, every node located at
+    ``loc`` (the ATen node's source line), plus the ATen node itself (``aten_node``, and the
+    types PyTorch computed for it, ``out`` and ``outs``) and torch's scalar rules
+    (:meth:`scalar`, :meth:`operands`).  Three methods widen the base class's:
+    :meth:`const` wraps integers into the dtype, as torch does, where the base would refuse
+    them; :meth:`cast` accepts ``None`` (no cast); :meth:`reshape` accepts torch sizes.
+    """
 
     def __init__(self, graph: Graph, node: torch.fx.Node, loc: str | None):
-        self.graph = graph
-        self.node = node
-        self.loc = loc
+        super().__init__(graph, loc=loc)
+        self.aten_node = node
+        """The FX node of the ATen call being lowered."""
 
-    def op(self, name: str, *inputs: Value, **attrs: Any) -> Value:
-        """Add a single-result kiln node located at the ATen node's source line."""
-        return self.graph.op(name, *inputs, loc=self.loc, **attrs)
-
-    def const(self, data: Any, dtype: DType) -> Value:
-        """A constant of the given dtype (wrapping integers, as torch does)."""
+    def const(self, data: Any, like: Value | DType) -> Value:
+        """A constant of ``like``'s dtype (a :class:`~kiln.ir.DType` or a value's), integers
+        wrapped into it as torch does (``const(256, DType.uint8)`` is 0)."""
+        dtype = like.dtype if isinstance(like, Value) else like
         arr = np.asarray(data)
         if dtype.is_integer and arr.dtype.kind in "iub":
             arr = arr.astype(np.int64).astype(dtype.numpy)
@@ -193,15 +250,11 @@ class LoweringContext:
 
     def cast(self, x: Value, dtype: DType | None) -> Value:
         """``x`` converted to ``dtype`` (no node when it already has it, or dtype is None)."""
-        if dtype is None or x.dtype == dtype:
-            return x
-        return self.op("cast", x, dtype=dtype)
+        return x if dtype is None else super().cast(x, dtype)
 
     def reshape(self, x: Value, shape: Sequence[int]) -> Value:
-        shape = tuple(int(d) for d in shape)
-        if tuple(x.shape) == shape:
-            return x
-        return self.op("reshape", x, shape=shape)
+        """``x`` reshaped to ``shape`` (ints of any kind, e.g. torch sizes)."""
+        return super().reshape(x, tuple(int(d) for d in shape))
 
     @property
     def out(self) -> TensorType:
@@ -210,7 +263,7 @@ class LoweringContext:
 
     @property
     def outs(self) -> list[torch.Tensor]:
-        val = self.node.meta["val"]
+        val = self.aten_node.meta["val"]
         return list(val) if isinstance(val, (tuple, list)) else [val]
 
 
@@ -259,6 +312,7 @@ from . import (  # noqa: E402,F401  (register the rules)
     aten_norm,
     aten_random,
     aten_sampling,
+    aten_special,
     aten_statistics,
     aten_transformer,
 )

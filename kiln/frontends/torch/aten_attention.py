@@ -185,7 +185,7 @@ def _weights(ctx: LoweringContext, q: Value, k: Value, mask: Value | None, is_ca
     return ctx.op("where", keep, p, ctx.const(0.0, p.dtype))
 
 
-@lowers(aten.scaled_dot_product_attention.default, check=_sdpa_check)
+@lowers(aten.scaled_dot_product_attention.default, check=_sdpa_check, keep=True, fresh=True)
 def _sdpa(ctx: LoweringContext, q: Value, k: Value, v: Value, attn_mask: Value | None = None,
           dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
           enable_gqa: bool = False) -> Value:
@@ -200,7 +200,7 @@ def _sdpa(ctx: LoweringContext, q: Value, k: Value, v: Value, attn_mask: Value |
     return ctx.op("matmul", weights, v)
 
 
-@lowers(_FLASH, check=_sdpa_check)
+@lowers(_FLASH, check=_sdpa_check, keep=True)
 def _sdpa_flash_cpu(ctx: LoweringContext, q: Value, k: Value, v: Value, dropout_p: float = 0.0,
                     is_causal: bool = False, attn_mask: Value | None = None,
                     scale: float | None = None) -> tuple:

@@ -357,7 +357,8 @@ def _index_fill(ctx: LoweringContext, x: Value, dim: int, index: Value, value: A
 
 
 # --------------------------------------------------------------- diagonals and scatters
-@lowers(aten.diagonal.default, *optional_ops("diagonal_copy"))
+@lowers(aten.diagonal.default, keep=True)
+@lowers(*optional_ops("diagonal_copy"))
 def _diagonal(ctx: LoweringContext, x: Value, offset: int = 0, dim1: int = 0, dim2: int = 1) -> Value:
     """Axes ``dim1, dim2`` moved last and flattened: the diagonal is a strided slice."""
     rank = x.type.rank
@@ -417,7 +418,7 @@ def roll_axis(ctx: LoweringContext, x: Value, shift: int, dim: int) -> Value:
     return ctx.op("cat", tail, head, dim=dim)
 
 
-@lowers(aten.roll.default)
+@lowers(aten.roll.default, keep=True)
 def _roll(ctx: LoweringContext, x: Value, shifts: Sequence[int], dims: Sequence[int] = ()) -> Value:
     shifts = [int(s) for s in shifts]
     if not dims:
@@ -428,7 +429,8 @@ def _roll(ctx: LoweringContext, x: Value, shifts: Sequence[int], dims: Sequence[
     return x
 
 
-@lowers(aten.unfold.default, *optional_ops("unfold_copy"))
+@lowers(aten.unfold.default, keep=True)
+@lowers(*optional_ops("unfold_copy"))
 def _unfold(ctx: LoweringContext, x: Value, dimension: int, size: int, step: int) -> Value:
     """Windows as one ``index_select`` of the window positions, the window axis moved last."""
     if x.type.rank == 0:
@@ -489,7 +491,7 @@ for _name, _what in (("nonzero", "nonzero"), ("masked_select", "masked_select (x
 
 
 # --------------------------------------------------- ops the export IR keeps composite
-@lowers(aten.rot90.default)
+@lowers(aten.rot90.default, keep=True)
 def _rot90(ctx: LoweringContext, x: Value, k: int = 1, dims: Sequence[int] = (0, 1)) -> Value:
     """``k`` quarter turns from ``dims[0]`` towards ``dims[1]``: flips and one transpose."""
     a, b = (d % x.type.rank for d in dims)
@@ -519,14 +521,14 @@ def _embed_last(ctx: LoweringContext, v: Value, offset: int) -> Value:
     return ctx.op("where", mask, spread, ctx.const(0, v.dtype))
 
 
-@lowers(aten.diag.default)
+@lowers(aten.diag.default, keep=True)
 def _diag(ctx: LoweringContext, x: Value, diagonal: int = 0) -> Value:
     if x.type.rank == 1:
         return _embed_last(ctx, x, int(diagonal))
     return _diagonal(ctx, x, int(diagonal), 0, 1)
 
 
-@lowers(aten.diag_embed.default)
+@lowers(aten.diag_embed.default, keep=True)
 def _diag_embed(ctx: LoweringContext, x: Value, offset: int = 0, dim1: int = -2, dim2: int = -1) -> Value:
     out = _embed_last(ctx, x, int(offset))  # the new axes are the last two
     rank = out.type.rank
@@ -548,7 +550,7 @@ def _repeat_interleave(ctx: LoweringContext, x: Value, repeats: int, dim: int | 
     return ctx.reshape(spread, tuple(ctx.out.shape))
 
 
-@lowers(aten.take_along_dim.default)
+@lowers(aten.take_along_dim.default, keep=True)
 def _take_along_dim(ctx: LoweringContext, x: Value, indices: Value, dim: int | None = None) -> Value:
     if dim is None:
         flat = ctx.reshape(x, (int(np.prod(x.shape)),))

@@ -6,9 +6,10 @@ pure, so an in-place call is lowered as its functional form (``relu_`` -> ``relu
 exact only when nothing can observe the difference, which :func:`inplace_check` proves
 structurally; the mutated tensor (``self``) must
 
-* be made inside the graph by an op that always returns a new tensor (:data:`FRESH_OPS`), or
-  by an in-place call that itself passed this check -- so no user input, parameter, buffer,
-  constant or view of one is ever written;
+* be made inside the graph by an op that always returns a new tensor (its rule says
+  ``fresh=True``, :func:`kiln.frontends.torch.aten.is_fresh`), or by an in-place call that
+  itself passed this check -- so no user input, parameter, buffer, constant or view of one
+  is ever written;
 * have no user after the in-place call, and only users that return new tensors before it
   (a view taken earlier would see the write).
 
@@ -29,23 +30,11 @@ from .aten import (
     AtenRule,
     LoweringContext,
     aten,
+    is_fresh,
     lowers,
     optional_ops,
     rule_for,
 )
-
-FRESH_OPS: frozenset[Any] = frozenset(
-    getattr(aten, name) for name in (
-        "conv1d", "conv2d", "conv3d", "convolution", "batch_norm", "layer_norm", "group_norm",
-        "linear", "addmm", "mm", "bmm", "add", "sub", "rsub", "mul", "div", "neg", "relu",
-        "gelu", "silu", "sigmoid", "tanh", "hardtanh", "leaky_relu", "clamp", "exp", "pow",
-        "where", "clone", "cat", "max_pool2d", "avg_pool2d", "max_pool3d", "avg_pool3d",
-        "conv_transpose1d", "conv_transpose2d", "conv_transpose3d", "embedding",
-        "scaled_dot_product_attention", "softmax", "log_softmax",
-    ) if hasattr(aten, name)
-)
-"""Op packets whose result never shares memory with an operand.  (Not every op without an
-alias annotation qualifies: ``dropout`` in eval mode returns its input itself.)"""
 
 _INPLACE_OPS = (
     "relu_", "hardtanh_", "leaky_relu_", "silu_", "sigmoid_", "tanh_", "gelu_", "neg_",
@@ -58,11 +47,9 @@ def _owns_storage(node: Any) -> bool:
     """Whether ``node`` (an FX argument) is a tensor made in the graph that aliases nothing."""
     if not isinstance(node, torch.fx.Node) or node.op != "call_function":
         return False
-    target = node.target
-    packet = getattr(target, "overloadpacket", None)
-    if packet in FRESH_OPS:
+    if is_fresh(node.target):
         return True
-    return target in _FUNCTIONAL_OF and inplace_check(node) is None
+    return node.target in _FUNCTIONAL_OF and inplace_check(node) is None
 
 
 def inplace_check(node: torch.fx.Node) -> str | None:
@@ -74,7 +61,7 @@ def inplace_check(node: torch.fx.Node) -> str | None:
                 "a view of one; kiln lowers in-place ops only on fresh intermediate tensors")
     later = set(target.users) - {node}
     for user in later:
-        if getattr(user.target, "overloadpacket", None) not in FRESH_OPS:
+        if not is_fresh(user.target):
             return (f"{node.target} writes to a tensor that {user.name} ({user.target}) may alias; "
                     "kiln lowers in-place ops only on tensors nothing else refers to")
     cursor = node.next
@@ -104,7 +91,7 @@ def _inplace_rule(functional: Any, functional_rule: AtenRule) -> AtenRule:
         return functional_rule.check(_AsFunctional(node, functional), *args)
 
     def lower(ctx: LoweringContext, *args: Any) -> Any:
-        as_functional = LoweringContext(ctx.graph, _AsFunctional(ctx.node, functional), ctx.loc)
+        as_functional = LoweringContext(ctx.graph, _AsFunctional(ctx.aten_node, functional), ctx.loc)
         return functional_rule.lower(as_functional, *args)
 
     return AtenRule(lower, check)

@@ -115,7 +115,7 @@ def _unbind(ctx: LoweringContext, x: Value, dim: int = 0) -> tuple:
 
 
 # ---------------------------------------------------------------- joining
-@lowers(aten.cat.default, *optional_ops("concat", "concatenate"))
+@lowers(aten.cat.default, *optional_ops("concat", "concatenate"), fresh=True)
 def _cat(ctx: LoweringContext, xs: Sequence[Value], dim: int = 0) -> Value:
     # torch still accepts (and skips) legacy empty 1-d tensors next to tensors of other ranks
     kept = [x for x in xs if not (tuple(x.shape) == (0,) and ctx.out.rank != 1)]
@@ -281,9 +281,9 @@ def _repeat(ctx: LoweringContext, x: Value, repeats: Sequence[int]) -> Value:
     return ctx.op("repeat", x, repeats=tuple(int(r) for r in repeats))
 
 
-@lowers(aten.tril.default, aten.triu.default)
+@lowers(aten.tril.default, aten.triu.default, keep=True)
 def _triangle(ctx: LoweringContext, x: Value, diagonal: int = 0) -> Value:
-    name = "tril" if ctx.node.target is aten.tril.default else "triu"
+    name = "tril" if ctx.aten_node.target is aten.tril.default else "triu"
     return ctx.op(name, x, diagonal=int(diagonal))
 
 
@@ -344,7 +344,7 @@ def _scalar_tensor(ctx: LoweringContext, value: Any, *_: Any) -> Value:
 
 @lowers(aten.arange.default, aten.arange.start, aten.arange.start_step)
 def _arange(ctx: LoweringContext, *args: Any) -> Value:
-    target = ctx.node.target
+    target = ctx.aten_node.target
     if target is aten.arange.default:
         start, end, step = 0, args[0], 1
     elif target is aten.arange.start:
@@ -470,7 +470,7 @@ def _affine_view(ctx: LoweringContext, flat: Value, index: Any) -> Value | None:
 
 @lowers(aten.as_strided.default, *optional_ops("as_strided_copy"), check=_as_strided_check)
 def _as_strided(ctx: LoweringContext, x: Value, size: Any, stride: Any, offset: Any = None) -> Value:
-    index, _ = _strided_index(ctx.node.args[0], size, stride, offset)
+    index, _ = _strided_index(ctx.aten_node.args[0], size, stride, offset)
     out = ctx.out
     if index.size == 0:
         return ctx.op("full", shape=tuple(out.shape), value=0, dtype=out.dtype)
@@ -497,7 +497,7 @@ def _as_strided_scatter_check(node: torch.fx.Node, x: Any, src: Any, size: Any, 
 def _as_strided_scatter(ctx: LoweringContext, x: Value, src: Value, size: Any, stride: Any,
                         offset: Any = None) -> Value:
     """``x`` with the elements ``as_strided(x, size, stride, offset)`` reads set to ``src``."""
-    index, _ = _strided_index(ctx.node.args[0], size, stride, offset)
+    index, _ = _strided_index(ctx.aten_node.args[0], size, stride, offset)
     src = ctx.cast(src, x.dtype)
     if index.size == 0:
         return x

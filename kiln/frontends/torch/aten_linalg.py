@@ -2,7 +2,8 @@
 
 Cholesky, LU, QR, SVD, the symmetric eigendecomposition, triangular solves and the matrix
 exponential map onto the kiln ops of :mod:`kiln.ir.ops.linalg` (one op per factorization,
-its ``part`` attribute naming the result); the solvers and inverses built from them
+its ``part`` attribute naming the result; :mod:`kiln.ir.ops.factorizations` holds the
+factorizations); the solvers and inverses built from them
 (``cholesky_solve``, ``cholesky_inverse``, ``lu_solve``, ``lu_unpack``, ``pinv``,
 ``householder_product``, ``ormqr``, ``tensorinv``, ``tensorsolve``) are compositions of
 those ops with matmuls, so their gradients follow from the factorizations' rules.  Results

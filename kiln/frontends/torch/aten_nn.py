@@ -35,7 +35,8 @@ def _ints(value: int | Sequence[int], n: int, default: Sequence[int] | None = No
 
 
 # -------------------------------------------------------------------- linalg
-@lowers(aten.mm.default, aten.bmm.default, aten.matmul.default, aten.dot.default)
+@lowers(aten.matmul.default, keep=True, fresh=True)
+@lowers(aten.mm.default, aten.bmm.default, aten.dot.default, fresh=True)
 def _matmul(ctx: LoweringContext, a: Value, b: Value) -> Value:
     return ctx.op("matmul", a, b)
 
@@ -54,7 +55,7 @@ def _scale(ctx: LoweringContext, x: Value, factor: Any) -> Value:
     return ctx.op("mul", x, ctx.scalar(factor, x.dtype))
 
 
-@lowers(aten.addmm.default, aten.baddbmm.default)
+@lowers(aten.addmm.default, aten.baddbmm.default, fresh=True)
 def _addmm(ctx: LoweringContext, bias: Value, a: Value, b: Value, beta: Any = 1,
            alpha: Any = 1) -> Value:
     product = _scale(ctx, ctx.op("matmul", a, b), alpha)
@@ -63,7 +64,7 @@ def _addmm(ctx: LoweringContext, bias: Value, a: Value, b: Value, beta: Any = 1,
     return ctx.op("add", _scale(ctx, bias, beta), product)
 
 
-@lowers(aten.linear.default)
+@lowers(aten.linear.default, keep=True, fresh=True)
 def _linear(ctx: LoweringContext, x: Value, weight: Value, bias: Value | None = None) -> Value:
     y = ctx.op("matmul", x, _transpose_last2(ctx, weight))
     return y if bias is None else ctx.op("add", y, bias)
@@ -90,7 +91,7 @@ def _unbatched(ctx: LoweringContext, x: Value, spatial: int, build: Any) -> Valu
     return ctx.reshape(y, y.shape[1:])
 
 
-@lowers(aten.convolution.default, check=_conv_check)
+@lowers(aten.convolution.default, check=_conv_check, fresh=True)
 def _convolution(ctx: LoweringContext, x: Value, w: Value, bias: Value | None, stride: Any,
                  padding: Any, dilation: Any, transposed: bool, output_padding: Any,
                  groups: int) -> Value:
@@ -99,13 +100,13 @@ def _convolution(ctx: LoweringContext, x: Value, w: Value, bias: Value | None, s
     return _conv(ctx, x, w, bias, stride, padding, dilation, groups)
 
 
-@lowers(aten.conv1d.default, aten.conv2d.default, aten.conv3d.default, check=_conv_check)
+@lowers(aten.conv1d.default, aten.conv2d.default, aten.conv3d.default, check=_conv_check, fresh=True)
 def _convnd(ctx: LoweringContext, x: Value, w: Value, bias: Value | None = None,
             stride: Any = 1, padding: Any = 0, dilation: Any = 1, groups: int = 1) -> Value:
     return _conv(ctx, x, w, bias, stride, padding, dilation, groups)
 
 
-@lowers(*_PADDING_MODES, check=_conv_check)
+@lowers(*_PADDING_MODES, check=_conv_check, fresh=True)
 def _convnd_padding_mode(ctx: LoweringContext, x: Value, w: Value, bias: Value | None = None,
                          stride: Any = 1, padding: str = "valid", dilation: Any = 1,
                          groups: int = 1) -> Value:
@@ -137,7 +138,7 @@ def _conv(ctx: LoweringContext, x: Value, w: Value, bias: Value | None, stride: 
 
 
 @lowers(*optional_ops("conv_transpose1d.default", "conv_transpose2d.input", "conv_transpose3d.input"),
-        check=_conv_check)
+        check=_conv_check, fresh=True)
 def _conv_transposend(ctx: LoweringContext, x: Value, w: Value, bias: Value | None = None,
                       stride: Any = 1, padding: Any = 0, output_padding: Any = 0, groups: int = 1,
                       dilation: Any = 1) -> Value:
@@ -193,16 +194,17 @@ def _max_pool(ctx: LoweringContext, x: Value, n: int, kernel_size: Any, stride: 
                     padding=_ints(padding, n), dilation=_ints(dilation, n), ceil_mode=bool(ceil_mode))
 
 
-@lowers(aten.max_pool2d.default, aten.max_pool3d.default, check=_pool_check)
+@lowers(aten.max_pool2d.default, check=_pool_check, keep=True, fresh=True)
+@lowers(aten.max_pool3d.default, check=_pool_check, fresh=True)
 def _max_poolnd(ctx: LoweringContext, x: Value, kernel_size: Any, stride: Any = (),
                 padding: Any = 0, dilation: Any = 1, ceil_mode: bool = False) -> Value:
-    n = _spatial_of(ctx.node)
+    n = _spatial_of(ctx.aten_node)
     return _max_pool(ctx, x, n, kernel_size, stride, padding, dilation, ceil_mode)
 
 
 @lowers(aten.max_pool2d_with_indices.default, aten.max_pool3d_with_indices.default, check=_pool_check)
 def _max_pool_with_indices(ctx: LoweringContext, x: Value, *args: Any) -> tuple:
-    n = _spatial_of(ctx.node)
+    n = _spatial_of(ctx.aten_node)
     return (lambda: _max_pool(ctx, x, n, *args), lambda: _max_pool(ctx, x, n, *args, indices=True))
 
 
@@ -217,7 +219,7 @@ def _max_pool1d(ctx: LoweringContext, x: Value, kernel_size: Any, stride: Any = 
                                                    (0, *_ints(padding, 1)), (1, *_ints(dilation, 1)),
                                                    ceil_mode, indices))
 
-    if "with_indices" in str(ctx.node.target):
+    if "with_indices" in str(ctx.aten_node.target):
         return (lambda: pooled(False), lambda: pooled(True))
     return pooled(False)
 
@@ -240,7 +242,7 @@ def _unpool_check(node: torch.fx.Node, x: Any, indices: Any, output_size: Any, *
 def _max_unpool(ctx: LoweringContext, x: Value, indices: Value, output_size: Any, *_: Any) -> Value:
     """Zeros of the output size with each input element written at its index (a row-major
     index into the output's spatial axes, per leading ``N, C`` position): a ``scatter``."""
-    n = _spatial_of(ctx.node)
+    n = _spatial_of(ctx.aten_node)
     lead = tuple(x.shape[:-n])
     size = tuple(int(s) for s in output_size)
     count = 1
@@ -257,11 +259,11 @@ def _max_unpool(ctx: LoweringContext, x: Value, indices: Value, output_size: Any
     return ctx.reshape(out, (*lead, *size))
 
 
-@lowers(aten.avg_pool2d.default, aten.avg_pool3d.default, check=_pool_check)
+@lowers(aten.avg_pool2d.default, aten.avg_pool3d.default, check=_pool_check, fresh=True)
 def _avg_poolnd(ctx: LoweringContext, x: Value, kernel_size: Any, stride: Any = (),
                 padding: Any = 0, ceil_mode: bool = False, count_include_pad: bool = True,
                 divisor_override: int | None = None) -> Value:
-    n = _spatial_of(ctx.node)
+    n = _spatial_of(ctx.aten_node)
     kernel = _ints(kernel_size, n)
     return _batched(ctx, x, f"avg_pool{n}d", n, kernel=kernel, stride=_ints(stride, n, kernel),
                     padding=_ints(padding, n), ceil_mode=bool(ceil_mode),
@@ -278,10 +280,11 @@ def _avg_pool1d(ctx: LoweringContext, x: Value, kernel_size: Any, stride: Any = 
     return _as_2d(ctx, x, lambda x2: _batched(ctx, x2, "avg_pool2d", 2, **attrs))
 
 
-@lowers(aten.adaptive_avg_pool2d.default, aten._adaptive_avg_pool2d.default,
-        aten.adaptive_avg_pool3d.default, aten._adaptive_avg_pool3d.default, check=_pool_check)
+@lowers(aten.adaptive_avg_pool2d.default, check=_pool_check, keep=True)
+@lowers(aten._adaptive_avg_pool2d.default, aten.adaptive_avg_pool3d.default, aten._adaptive_avg_pool3d.default,
+        check=_pool_check)
 def _adaptive_avg_poolnd(ctx: LoweringContext, x: Value, output_size: Any) -> Value:
-    n = _spatial_of(ctx.node)
+    n = _spatial_of(ctx.aten_node)
     return _batched(ctx, x, f"adaptive_avg_pool{n}d", n, output_size=tuple(ctx.out.shape[-n:]))
 
 
@@ -348,7 +351,7 @@ def _adaptive_max_gathered(ctx: LoweringContext, x: Value, n: int, out: Sequence
 def _adaptive_max_poolnd(ctx: LoweringContext, x: Value, output_size: Any) -> tuple:
     """Windows that tile the input (``out`` divides ``in``) are a max pool with
     kernel = stride; other sizes use torch's overlapping windows, gathered."""
-    n = _spatial_of(ctx.node)
+    n = _spatial_of(ctx.aten_node)
     out = tuple(int(s) for s in ctx.out.shape[-n:])
     if any(i % o for i, o in zip(x.shape[-n:], out)):
         values, indices = _adaptive_max_gathered(ctx, x, n, out)
@@ -370,8 +373,11 @@ _INTERP = {"upsample_linear1d": 1, "upsample_bilinear2d": 2, "upsample_bicubic2d
            "upsample_trilinear3d": 3}
 
 
-def _upsample_ops(names: Sequence[str]) -> list[Any]:
-    return optional_ops(*(f"{name}.{overload}" for name in names for overload in ("vec", "default")))
+def _upsample_ops(names: Sequence[str], overload: str) -> list[Any]:
+    return optional_ops(*(f"{name}.{overload}" for name in names))
+
+
+_NEAREST_NAMES = [f"{p}{k}d" for p in _NEAREST for k in (1, 2, 3)]
 
 
 def _upsample_check(node: torch.fx.Node, x: Any, *_: Any) -> str | None:
@@ -402,17 +408,22 @@ def _resample(ctx: LoweringContext, x: Value, kiln_op: str, n: int, scales: tupl
     return _batched(ctx, x, kiln_op, n, output_size=tuple(ctx.out.shape[-n:]), scales=scales, **attrs)
 
 
-@lowers(*_upsample_ops([f"{p}{k}d" for p in _NEAREST for k in (1, 2, 3)]), check=_upsample_check)
+# torch.export emits the ``.vec`` overloads (and ``upsample_nearest2d.default``): kept whole
+@lowers(*_upsample_ops(_NEAREST_NAMES, "vec"), aten.upsample_nearest2d.default, check=_upsample_check,
+        keep=True)
+@lowers(*_upsample_ops([n for n in _NEAREST_NAMES if n != "upsample_nearest2d"], "default"),
+        check=_upsample_check)
 def _upsample_nearest(ctx: LoweringContext, x: Value, output_size: Any, *rest: Any) -> Value:
-    n = _spatial_of(ctx.node)
-    exact = "exact" in str(ctx.node.target)
+    n = _spatial_of(ctx.aten_node)
+    exact = "exact" in str(ctx.aten_node.target)
     return _resample(ctx, x, f"upsample_nearest{max(n, 2)}d", n, _scales(rest, n), exact=exact)
 
 
-@lowers(*_upsample_ops(list(_INTERP)), check=_upsample_check)
+@lowers(*_upsample_ops(list(_INTERP), "vec"), check=_upsample_check, keep=True)
+@lowers(*_upsample_ops(list(_INTERP), "default"), check=_upsample_check)
 def _upsample_interp(ctx: LoweringContext, x: Value, output_size: Any, align_corners: bool,
                      *rest: Any) -> Value:
-    name = str(ctx.node.target).split(".")[-2]
+    name = str(ctx.aten_node.target).split(".")[-2]
     n = _INTERP[name]
     kiln_op = "upsample_bilinear2d" if n == 1 else name
     return _resample(ctx, x, kiln_op, n, _scales(rest, n), align_corners=bool(align_corners))
@@ -426,7 +437,7 @@ def _embedding_check(node: torch.fx.Node, weight: Any, indices: Any, padding_idx
     return None
 
 
-@lowers(aten.embedding.default, check=_embedding_check)
+@lowers(aten.embedding.default, check=_embedding_check, fresh=True)
 def _embedding(ctx: LoweringContext, weight: Value, indices: Value, padding_idx: int = -1,
                scale_grad_by_freq: bool = False, sparse: bool = False) -> Value:
     rows = int(weight.shape[0])

@@ -138,7 +138,7 @@ def _native_bn(ctx: LoweringContext, x: Value, weight: Value | None, bias: Value
     return (_batch_norm(ctx, x, weight, bias, mean, var, eps),)
 
 
-@lowers(aten.batch_norm.default, check=_not_training)
+@lowers(aten.batch_norm.default, check=_not_training, fresh=True)
 def _bn(ctx: LoweringContext, x: Value, weight: Value | None, bias: Value | None,
         mean: Value, var: Value, training: bool, momentum: float, eps: float, *_: Any) -> Value:
     return _batch_norm(ctx, x, weight, bias, mean, var, eps)
@@ -162,13 +162,13 @@ def _group_check(node: torch.fx.Node, *args: Any) -> str | None:
     return None
 
 
-@lowers(aten.group_norm.default, check=_group_check)
+@lowers(aten.group_norm.default, check=_group_check, keep=True, fresh=True)
 def _group_norm_rule(ctx: LoweringContext, x: Value, groups: int, weight: Value | None = None,
                      bias: Value | None = None, eps: float = 1e-5, *_: Any) -> Value:
     return _group_norm(ctx, x, weight, bias, groups, eps)
 
 
-@lowers(aten.native_group_norm.default, check=_group_check)
+@lowers(aten.native_group_norm.default, check=_group_check, keep=True)
 def _native_group_norm(ctx: LoweringContext, x: Value, weight: Value | None, bias: Value | None,
                        n: int, c: int, hxw: int, groups: int, eps: float) -> tuple:
     """``(y, mean, rstd)``, the statistics of shape ``(N, groups)`` built only when used."""
@@ -217,7 +217,7 @@ def _layer_norm_parts(ctx: LoweringContext, x: Value, weight: Value | None,
     return [v for v in (x, weight, bias) if v is not None]
 
 
-@lowers(aten.layer_norm.default)
+@lowers(aten.layer_norm.default, keep=True, fresh=True)
 def _layer_norm(ctx: LoweringContext, x: Value, normalized_shape: Sequence[int],
                 weight: Value | None = None, bias: Value | None = None, eps: float = 1e-5,
                 *_: Any) -> Value:
@@ -249,11 +249,11 @@ def _native_layer_norm(ctx: LoweringContext, x: Value, normalized_shape: Sequenc
     return (y, mean, rstd)
 
 
-@lowers(aten.rms_norm.default)
+@lowers(aten.rms_norm.default, keep=True)
 def _rms_norm(ctx: LoweringContext, x: Value, normalized_shape: Sequence[int],
               weight: Value | None = None, eps: float | None = None) -> Value:
     if eps is None:  # torch's default: the machine epsilon of the input dtype
-        eps = float(torch.finfo(meta(ctx.node.args[0]).dtype).eps)
+        eps = float(torch.finfo(meta(ctx.aten_node.args[0]).dtype).eps)
     inputs = (x,) if weight is None else (x, weight)
     return ctx.op("rms_norm", *inputs, normalized_rank=len(normalized_shape), eps=float(eps))
 
@@ -308,7 +308,7 @@ def _dropout(ctx: LoweringContext, x: Value, p: float, train: bool) -> Value:
     return dropout_parts(ctx, x, p)[0]
 
 
-@lowers(aten.native_dropout.default, check=_dropout_check)
+@lowers(aten.native_dropout.default, check=_dropout_check, keep=True)
 def _native_dropout(ctx: LoweringContext, x: Value, p: float, train: bool | None) -> tuple:
     """``(y, keep mask)``; ``train=None`` means training, as in ATen."""
     if train is False or p == 0:

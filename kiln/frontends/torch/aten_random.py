@@ -242,7 +242,7 @@ def _randint_check(node: torch.fx.Node, *args: Any) -> str | None:
 @lowers(aten.randint.default, aten.randint.low, aten.randint_like.default,
         aten.randint_like.low_dtype, *optional_ops("randint_like.Tensor"), check=_randint_check)
 def _randint(ctx: LoweringContext, *args: Any) -> Value:
-    low, high = _randint_bounds(ctx.node, args)
+    low, high = _randint_bounds(ctx.aten_node, args)
     out = ctx.out
     u = uniform(ctx, out.shape, DType.float64)
     k = ctx.op("floor", ctx.op("mul", u, _scalar(ctx, float(high - low), DType.float64)))

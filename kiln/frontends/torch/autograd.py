@@ -40,10 +40,10 @@ from kiln.backends import Backend
 from kiln.ir import Graph, KilnError, TensorType
 from kiln.ir.ops.vjp import is_nondifferentiable
 from kiln.passes.autodiff import grad_graph, split_joint
-from kiln.passes.custom import inline_custom_vjp
+from kiln.passes.inline_custom_vjp import inline_custom_vjp
+from kiln.passes.pipeline import GraphTransform
 from kiln.runtime import CompiledModule, torch_dtype
 
-GraphTransform = Callable[[Graph], Graph]
 Executable = Callable[[Sequence[torch.Tensor]], list[torch.Tensor]]
 
 

@@ -12,6 +12,8 @@ Entry points:
 * :func:`is_supported` -- whether kiln lowers one FX node (the fallback partitioner's test,
   :mod:`kiln.frontends.torch.aten_support`).
 
+The node-by-node lowering itself is :class:`kiln.frontends.torch.lowering.Lowerer`.
+
 Why the decomposition is skipped when it can be: ``run_decompositions`` re-traces the whole
 program (on GPT-2 small it costs more than the export itself), and kiln's rules lower the
 training IR's high-level ops (``linear``, ``layer_norm``, ``conv2d``, ``batch_norm``,
@@ -39,74 +41,49 @@ Guarantees of a captured graph:
 from __future__ import annotations
 
 import operator
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import ml_dtypes
-import numpy as np
 import torch
 from torch.utils import _pytree as pytree
 
-from kiln.ir import Graph, OpTypeError, TensorType, Value
-from kiln.ir.ops.random import RNG_SEED_PARAM
-from kiln.runtime.module import BUFFER_UPDATE_PREFIX, INPUT_UPDATE_PREFIX
+from kiln.frontends.errors import CaptureError, UnsupportedOpError
+from kiln.ir import Graph, Value
+from kiln.runtime.module import INPUT_UPDATE_PREFIX
 
-from .aten import (
-    IGNORED_OPS,
-    LoweringContext,
-    kiln_dtype,
-    lowers,
-    rule_for,
-    tensor_type,
-)
+from .aten import LoweringContext, kept_ops, kiln_dtype, lowers
 from .aten_support import (
-    bad_value,
-    bind_arguments,
-    describe_inputs,
     describe_value,
     is_supported,  # noqa: F401  (re-exported: the fallback partitioner's test)
     source_location,
     unsupported_reason,
 )
-from kiln.frontends.errors import CaptureError, UnsupportedOpError
-
-aten = torch.ops.aten
-
-# Ops the default core-ATen table would decompose but kiln lowers directly (and better).
-_KEPT_OPS = (
-    "silu.default", "layer_norm.default", "rms_norm.default", "softmax.int", "log_softmax.int",
-    "scaled_dot_product_attention.default", "upsample_nearest2d.default",
-    "upsample_nearest2d.vec", "upsample_bilinear2d.vec", "matmul.default", "linear.default",
-    "tril.default", "triu.default", "adaptive_avg_pool2d.default", "max_pool2d.default",
-    "masked_fill.Scalar", "masked_fill.Tensor", "native_dropout.default", "group_norm.default",
-    "native_group_norm.default", "roll.default", "diagonal.default", "unfold.default",
-    "rot90.default", "diag.default", "diag_embed.default", "take_along_dim.default",
-    "upsample_nearest1d.vec", "upsample_nearest3d.vec", "_upsample_nearest_exact1d.vec",
-    "_upsample_nearest_exact2d.vec", "_upsample_nearest_exact3d.vec", "upsample_linear1d.vec",
-    "upsample_bicubic2d.vec", "upsample_trilinear3d.vec",
-    "_scaled_dot_product_flash_attention_for_cpu.default",
-    "detach.default",  # torch decomposes it to alias, losing the stop of the gradient
-    "special_log_ndtr.default",  # its decomposition has NaN gradients far in the lower tail
+from .lowering import (
+    Lowerer,
+    add_buffer_updates,
+    bind_seed,
+    drop_effect_tokens,
+    fresh_name,
+    placeholder_type,
+    to_numpy,
 )
 
 
 def decomposition_table() -> dict[Any, Any]:
     """The decomposition table kiln exports with: core ATen minus the ops kiln maps directly.
 
-    Starts from ``torch.export.default_decompositions()`` and removes the ops of
-    ``_KEPT_OPS`` (silu, layer/group/RMS norm, softmax/log_softmax, scaled dot-product
-    attention, every upsampling mode, matmul/linear, tril/triu, max/adaptive pooling,
-    masked_fill, dropout, roll, diagonal, unfold...), so they reach kiln whole (gelu, conv,
-    batch norm, embedding... are core ATen and stay whole anyway).  Returns a new plain dict
-    (op overload -> decomposition) that callers may edit; usable with
+    Starts from ``torch.export.default_decompositions()`` and removes every op whose rule
+    keeps it whole (``@lowers(..., keep=True)``, :func:`kiln.frontends.torch.aten.kept_ops`:
+    silu, layer/group/RMS norm, softmax/log_softmax, scaled dot-product attention, every
+    upsampling mode, matmul/linear, tril/triu, max/adaptive pooling, masked_fill, dropout,
+    roll, diagonal, unfold...), so they reach kiln whole (gelu, conv, batch norm,
+    embedding... are core ATen and stay whole anyway).  Returns a new plain dict (op
+    overload -> decomposition) that callers may edit; usable with
     ``ExportedProgram.run_decompositions`` and ``make_fx(decomposition_table=...)``.
     """
     table = torch.export.default_decompositions()
-    for name in _KEPT_OPS:
-        packet, overload = name.split(".")
-        op = getattr(getattr(aten, packet), overload)
+    for op in kept_ops():
         if op in table:
             table.pop(op)
     return dict(table.items())
@@ -141,11 +118,12 @@ def export_program(model: torch.nn.Module, args: tuple, kwargs: dict | None = No
 # straight-through estimator's is deliberately not the forward's derivative).  While kiln
 # exports, ``Function.apply`` therefore asks Dynamo for the Function's forward and backward
 # bodies, as ``torch.compile`` sees them, and records the call as one
-# ``kiln::autograd_function`` op (:func:`kiln.frontends.torch.dynamo.export_function`), lowered to a
-# ``custom_vjp`` node with the user's backward.  When Dynamo cannot trace the Function, every
-# tensor it returns passes through ``kiln::function_output`` instead, which kiln lowers to a
-# ``custom_vjp`` node without a backward: inference inlines it, and gradients through it
-# raise a KilnError naming the Function and saying why its backward is unknown.
+# ``kiln::autograd_function`` op (:func:`kiln.frontends.torch.autograd_function.export_function`),
+# lowered to a ``custom_vjp`` node with the user's backward.  When Dynamo cannot trace the
+# Function, every tensor it returns passes through ``kiln::function_output`` instead, which
+# kiln lowers to a ``custom_vjp`` node without a backward: inference inlines it, and
+# gradients through it raise a KilnError naming the Function and saying why its backward is
+# unknown.
 
 
 @torch.library.custom_op("kiln::function_output", mutates_args=())
@@ -179,13 +157,13 @@ class marked_function_outputs:
         original = self._original.__func__
 
         def apply(cls: Any, *args: Any, **kwargs: Any) -> Any:
-            from . import dynamo as dynamo_mod
+            from . import autograd_function as function_mod  # it captures with this module
 
-            if str(getattr(cls, "__module__", "")).startswith("torch.") or dynamo_mod.tracing_function():
+            if str(getattr(cls, "__module__", "")).startswith("torch.") or function_mod.tracing_function():
                 return original(cls, *args, **kwargs)  # torch's own Functions (custom ops' autograd...)
             try:
-                return dynamo_mod.export_function(cls, args, kwargs)
-            except dynamo_mod.FunctionNotTraced as e:
+                return function_mod.export_function(cls, args, kwargs)
+            except function_mod.FunctionNotTraced as e:
                 why = str(e)
             out = original(cls, *args, **kwargs)
             name = getattr(cls, "__qualname__", "torch.autograd.Function")
@@ -298,143 +276,6 @@ class Captured:
     param_targets: dict[str, str] = field(default_factory=dict)
 
 
-# --------------------------------------------------------------- lowering
-def _to_numpy(t: torch.Tensor) -> np.ndarray:
-    t = t.detach().cpu()
-    if t.dtype == torch.bfloat16:
-        return t.contiguous().view(torch.int16).numpy().view(ml_dtypes.bfloat16)
-    return t.numpy()
-
-
-class _Lowerer:
-    """Lowers the call_function nodes of one FX graph into a kiln graph."""
-
-    def __init__(self, graph: Graph, fx_graph: torch.fx.Graph):
-        self.graph = graph
-        self.env: dict[torch.fx.Node, Any] = {}
-        self.live = _live_nodes(fx_graph)
-
-    def bind(self, node: torch.fx.Node, value: Value) -> None:
-        self.env[node] = value
-
-    def lower_all(self, fx_graph: torch.fx.Graph) -> None:
-        for node in fx_graph.nodes:
-            if node.op == "call_function":
-                self.lower(node)
-
-    def value(self, arg: Any) -> Any:
-        """An FX argument with nodes replaced by their kiln values (lists mapped through)."""
-        if isinstance(arg, torch.fx.Node):
-            return self.env[arg]
-        if isinstance(arg, (list, tuple)):
-            return type(arg)(self.value(a) for a in arg)
-        return arg
-
-    def lower(self, node: torch.fx.Node) -> None:
-        if node not in self.live:  # dead code (make_fx keeps it); writes are always live
-            self.env[node] = None
-            return
-        loc = source_location(node)
-        reason = unsupported_reason(node)
-        if reason is not None:
-            raise UnsupportedOpError(str(node.target), describe_inputs(node), loc, reason)
-        if node.target in IGNORED_OPS:
-            self.env[node] = None
-            return
-        if node.target is operator.getitem:
-            self.env[node] = self._getitem(node, loc)
-            return
-        ctx = LoweringContext(self.graph, node, loc)
-        args = [self.value(a) for a in bind_arguments(node)]
-        try:
-            result = rule_for(node.target).lower(ctx, *args)
-        except (OpTypeError, ValueError, TypeError) as e:
-            raise CaptureError(
-                f"kiln failed to lower ATen op {node.target}({describe_inputs(node)}): {e}\n"
-                f"  at {loc or '<unknown source line>'}\n  This is a kiln bug; please report it "
-                "with the op and operand types above.") from e
-        if isinstance(result, Value):
-            result = self._match_meta(node, result, node.meta.get("val"), loc)
-        self.env[node] = result
-
-    def _getitem(self, node: torch.fx.Node, loc: str | None) -> Value:
-        source, index = node.args
-        results = self.env[source]
-        entry = results[index]
-        if callable(entry) and not isinstance(entry, Value):
-            entry = entry()
-            results = list(results)
-            results[index] = entry
-            self.env[source] = tuple(results)
-        return self._match_meta(node, entry, node.meta.get("val"), loc)
-
-    def _match_meta(self, node: torch.fx.Node, value: Value, expected: Any, loc: str | None) -> Value:
-        """Check ``value`` against PyTorch's result; cast when only the dtype differs."""
-        if not isinstance(expected, torch.Tensor):
-            return value
-        want = tensor_type(expected)
-        if tuple(value.shape) != want.shape:
-            raise CaptureError(
-                f"kiln's lowering of ATen op {node.target}({describe_inputs(node)}) has type "
-                f"{value.type}, but PyTorch computes {want}\n  at {loc or '<unknown source line>'}"
-                "\n  This is a kiln bug; please report it.")
-        if value.dtype != want.dtype:
-            value = self.graph.op("cast", value, loc=loc, dtype=want.dtype)
-        return value
-
-    def output(self, node: torch.fx.Node, arg: Any, what: str) -> Value:
-        if not isinstance(arg, torch.fx.Node) or not isinstance(self.env.get(arg), Value):
-            raise UnsupportedOpError(
-                "output", describe_value(arg), source_location(node),
-                f"{what} is {describe_value(arg)}, not a tensor; kiln graphs return tensors only",
-                hint="Return only tensors from the captured function (wrap the model if needed).")
-        return self.env[arg]
-
-
-def _live_nodes(fx_graph: torch.fx.Graph) -> set[torch.fx.Node]:
-    """Nodes the output depends on, and every call that writes in place (with what it
-    reads): a write is an effect even when nothing uses its result, so it is lowered -- its
-    rule decides whether the write is unobservable (:mod:`kiln.frontends.torch.aten_inplace`) -- or
-    refused, never dropped."""
-    live: set[torch.fx.Node] = set()
-    for node in reversed(fx_graph.nodes):
-        if node.op == "output" or is_mutating(node) or any(user in live for user in node.users):
-            live.add(node)
-    return live
-
-
-def is_mutating(node: torch.fx.Node) -> bool:
-    """Whether ``node`` calls an op whose schema writes one of its arguments."""
-    schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
-    return schema is not None and schema.is_mutable
-
-
-def _fresh(name: str, used: set[str]) -> str:
-    """A valid, unused kiln value name close to ``name``."""
-    base = re.sub(r"[^A-Za-z0-9_.]", "_", name)
-    if not re.match(r"^[A-Za-z_]", base):
-        base = "v_" + base
-    candidate, n = base, 0
-    while candidate in used:
-        n += 1
-        candidate = f"{base}_{n}"
-    used.add(candidate)
-    return candidate
-
-
-_STATIC_HINT = ("Capture with example inputs of exactly the shapes you will run; each new shape "
-                "needs a new capture.")
-
-
-def _placeholder_type(node: torch.fx.Node) -> TensorType:
-    val = node.meta.get("val")
-    reason = bad_value(val)
-    if reason:
-        raise UnsupportedOpError("placeholder", describe_value(val), None, f"input '{node.name}': {reason}",
-                                 hint=_STATIC_HINT)
-    return tensor_type(val)
-
-
 # -------------------------------------------------------------- entry points
 def capture_program(ep: torch.export.ExportedProgram, name: str = "main") -> Captured:
     """Lower an exported program from :func:`export_program` to a kiln graph.
@@ -455,8 +296,8 @@ def _lower_program(ep: torch.export.ExportedProgram, name: str) -> Captured:
     from torch.export.graph_signature import InputKind, OutputKind
 
     graph = Graph(name)
-    _drop_effect_tokens(ep.graph)
-    lowerer = _Lowerer(graph, ep.graph)
+    drop_effect_tokens(ep.graph)
+    lowerer = Lowerer(graph, ep.graph)
     used: set[str] = set()
     params: dict[str, torch.Tensor] = {}
     targets: dict[str, str] = {}
@@ -470,7 +311,7 @@ def _lower_program(ep: torch.export.ExportedProgram, name: str) -> Captured:
         if spec.kind == InputKind.USER_INPUT:
             user_names.append(spec.arg.name)
             if isinstance(node.meta.get("val"), torch.Tensor):
-                v = graph.add_input(_fresh(node.name, used), _placeholder_type(node))
+                v = graph.add_input(fresh_name(node.name, used), placeholder_type(node))
                 lowerer.bind(node, v)
                 input_of[spec.arg.name] = v.name
                 input_names.append(v.name)
@@ -479,14 +320,14 @@ def _lower_program(ep: torch.export.ExportedProgram, name: str) -> Captured:
         elif spec.kind in (InputKind.PARAMETER, InputKind.BUFFER):
             persistent = spec.kind == InputKind.PARAMETER or spec.persistent
             tensor = ep.state_dict[spec.target] if persistent else ep.constants[spec.target]
-            v = graph.add_param(_fresh(spec.target, used), _placeholder_type(node))
+            v = graph.add_param(fresh_name(spec.target, used), placeholder_type(node))
             lowerer.bind(node, v)
             params[v.name] = tensor
             targets[v.name] = spec.target
         elif spec.kind == InputKind.CONSTANT_TENSOR:
-            data = _to_numpy(ep.constants[spec.target])
+            data = to_numpy(ep.constants[spec.target])
             lowerer.bind(node, graph.add_constant(data, kiln_dtype(ep.constants[spec.target].dtype)))
-        elif spec.kind == InputKind.TOKEN:  # see _drop_effect_tokens
+        elif spec.kind == InputKind.TOKEN:  # see drop_effect_tokens
             lowerer.bind(node, None)
         else:
             raise UnsupportedOpError("placeholder", describe_value(node.meta.get("val")), None,
@@ -521,56 +362,9 @@ def _lower_program(ep: torch.export.ExportedProgram, name: str) -> Captured:
     graph.set_outputs(outputs)
     add_buffer_updates(graph, updates)
     add_buffer_updates(graph, input_updates, INPUT_UPDATE_PREFIX)
-    _bind_seed(graph, params)
+    bind_seed(graph, params)
     return Captured(graph, params, input_names, ep.call_spec.in_spec, ep.call_spec.out_spec,
                     positions, user_names, targets)
-
-
-def _drop_effect_tokens(fx_graph: torch.fx.Graph) -> None:
-    """torch.export threads an effect token (a TOKEN input and output) through calls of ops
-    with side effects, wrapped in ``with_effects``.  The only such ops kiln meets are checks
-    it ignores (:data:`IGNORED_OPS`, e.g. ``_linalg_check_errors`` of a factorization):
-    their calls are dropped and the token passes through, so the TOKEN input and output are
-    unused and skipped.  A ``with_effects`` call of any other op stays, and is refused."""
-    effects = getattr(torch.ops.higher_order, "with_effects", None)
-    for node in list(fx_graph.nodes):
-        if node.op != "call_function" or node.target is not effects or node.args[1] not in IGNORED_OPS:
-            continue
-        for user in list(node.users):
-            if user.target is operator.getitem and user.args[1] == 0:
-                user.replace_all_uses_with(node.args[0])
-                fx_graph.erase_node(user)
-        if not node.users:
-            fx_graph.erase_node(node)
-
-
-def add_buffer_updates(graph: Graph, updates: Sequence[tuple[Value, str]],
-                       prefix: str = BUFFER_UPDATE_PREFIX) -> None:
-    """Append the new value of each updated buffer (graph param name) to ``graph``'s
-    outputs, named ``buffer_update.<param>`` (:func:`kiln.runtime.buffer_updates` reads the
-    names back, also from a graph parsed from text); with ``prefix=INPUT_UPDATE_PREFIX``,
-    the same for updated graph inputs.  An update that returns the value itself changes
-    nothing and is dropped."""
-    outputs = list(graph.outputs)
-    for value, param in updates:
-        if value.origin in ("param", "input") and value.name == param:
-            continue
-        name = prefix + param
-        if value.origin != "result" or value in outputs or value.name.startswith((BUFFER_UPDATE_PREFIX,
-                                                                                 INPUT_UPDATE_PREFIX)):
-            value = graph.op("reshape", value, shape=tuple(value.shape))  # a value of its own
-        graph._names.discard(value.name)
-        value.name = graph._claim(name)
-        outputs.append(value)
-    graph.set_outputs(outputs)
-
-
-def _bind_seed(graph: Graph, params: dict[str, torch.Tensor]) -> None:
-    """Give the random ops' seed param (added by the dropout rules) a tensor of its own;
-    the runtime refills it before every call."""
-    for value in graph.params:
-        if value.name == RNG_SEED_PARAM and value.name not in params:
-            params[value.name] = torch.zeros((), dtype=torch.int64)
 
 
 def _ensure_meta(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> None:
@@ -597,7 +391,7 @@ def capture_fx(gm: torch.fx.GraphModule, example_inputs: list, *,
     """
     _ensure_meta(gm, example_inputs)
     graph = Graph(name)
-    lowerer = _Lowerer(graph, gm.graph)
+    lowerer = Lowerer(graph, gm.graph)
     used: set[str] = set()
     params: dict[str, torch.Tensor] = {}
     input_names: list[str] = []
@@ -610,10 +404,10 @@ def capture_fx(gm: torch.fx.GraphModule, example_inputs: list, *,
                                          f"input '{node.name}' is not a tensor",
                                          hint="Pass an FX graph whose placeholders are all tensors.")
             if index in param_indices:
-                v = graph.add_param(_fresh(node.name, used), _placeholder_type(node))
+                v = graph.add_param(fresh_name(node.name, used), placeholder_type(node))
                 params[v.name] = example_inputs[index]
             else:
-                v = graph.add_input(_fresh(node.name, used), _placeholder_type(node))
+                v = graph.add_input(fresh_name(node.name, used), placeholder_type(node))
                 input_names.append(v.name)
                 positions.append(index)
             lowerer.bind(node, v)
@@ -624,13 +418,13 @@ def capture_fx(gm: torch.fx.GraphModule, example_inputs: list, *,
                 raise UnsupportedOpError("get_attr", repr(attr), None,
                                          f"attribute '{node.target}' is not a tensor",
                                          hint="Pass an ATen-level graph (make_fx / aot_export).")
-            lowerer.bind(node, graph.add_constant(_to_numpy(attr), kiln_dtype(attr.dtype)))
+            lowerer.bind(node, graph.add_constant(to_numpy(attr), kiln_dtype(attr.dtype)))
         elif node.op == "call_function":
             lowerer.lower(node)
         elif node.op == "output":
             flat = pytree.tree_leaves(node.args[0], is_leaf=lambda x: x is None)
             graph.set_outputs([lowerer.output(node, a, f"output {i}") for i, a in enumerate(flat)])
-            _bind_seed(graph, params)
+            bind_seed(graph, params)
         else:
             raise UnsupportedOpError(node.op, str(node.target), source_location(node),
                                      f"FX node kind '{node.op}' is not supported",

@@ -19,9 +19,10 @@ describes everything the program's code can read (see :mod:`kiln.frontends.torch
 which also lists the little it does not see), and a program it cannot describe is always
 traced.  An entry that cannot be used -- damaged, or naming a parameter the live model
 lacks or has with another shape -- is a miss, and the next store overwrites it.  The cache
-is off with the ``kiln.compile`` option ``cache=False`` or ``capture_cache=False`` (any
-backend), or with ``KILN_CAPTURE_CACHE=0``; its folder is the ``cache_dir`` option or
-``KILN_CACHE_DIR`` (default ``~/.cache/kiln``).  Pipelines other than pass-manager
+is off with the ``kiln.compile`` argument ``cache=False`` (every cache kiln has, any backend:
+:mod:`kiln.frontends.options`) or ``capture_cache=False`` (this cache only), or with
+``KILN_CAPTURE_CACHE=0``; its folder is ``cache_dir`` or ``KILN_CACHE_DIR`` (default
+``~/.cache/kiln``).  Pipelines other than pass-manager
 pipelines of registered passes (e.g. ``"learned"``, custom objects), and pipelines asked
 to dump IR (``KILN_DUMP_IR``), always run.
 """
@@ -46,8 +47,6 @@ from .fingerprint import kiln_source_identity, model_fingerprint
 CAPTURE_KIND = "capture"
 PASSES_KIND = "passes"
 ENV_SWITCH = "KILN_CAPTURE_CACHE"
-COMPILE_OPTIONS = ("cache", "cache_dir", "capture_cache")
-"""``kiln.compile`` options that govern the capture cache whatever the backend."""
 _OFF = ("0", "false", "no", "off")
 
 
@@ -58,23 +57,12 @@ class CaptureCache:
         self.documents = documents
 
     @classmethod
-    def for_options(cls, options: Mapping[str, Any]) -> CaptureCache:
-        """The cache the ``kiln.compile`` options ask for and ``KILN_CAPTURE_CACHE`` allows:
-        ``capture_cache`` (this cache only), else ``cache`` (this cache and the backend's
-        compile cache, where it has one); ``cache_dir`` its folder.  Any backend."""
-        switch = options.get("capture_cache")
-        if switch is None:
-            switch = options.get("cache", True)
-        enabled = bool(switch) and os.environ.get(ENV_SWITCH, "1").lower() not in _OFF
-        return cls(DocumentCache(options.get("cache_dir"), enabled=enabled))
-
-    @staticmethod
-    def backend_options(options: Mapping[str, Any], backend: Any) -> dict[str, Any]:
-        """``options`` without the capture-cache switches the backend has no option for
-        (``capture_cache`` always; ``cache``/``cache_dir`` unless the backend takes them)."""
-        known = getattr(backend, "option_defaults", {})
-        return {k: v for k, v in options.items()
-                if k not in COMPILE_OPTIONS or (k != "capture_cache" and k in known)}
+    def open(cls, enabled: bool = True, directory: str | None = None) -> CaptureCache:
+        """The cache in ``directory`` (``None``: ``KILN_CACHE_DIR`` or ``~/.cache/kiln``), on
+        when ``enabled`` and ``KILN_CAPTURE_CACHE`` allows it.  It reads no backend option:
+        ``kiln.compile`` passes its own switches (:mod:`kiln.frontends.options`)."""
+        on = bool(enabled) and os.environ.get(ENV_SWITCH, "1").lower() not in _OFF
+        return cls(DocumentCache(directory, enabled=on))
 
     @property
     def enabled(self) -> bool:
@@ -183,4 +171,4 @@ def _live_tensor(model: torch.nn.Module, target: str) -> torch.Tensor | None:
     return None
 
 
-__all__ = ["CAPTURE_KIND", "COMPILE_OPTIONS", "ENV_SWITCH", "PASSES_KIND", "CaptureCache"]
+__all__ = ["CAPTURE_KIND", "ENV_SWITCH", "PASSES_KIND", "CaptureCache"]

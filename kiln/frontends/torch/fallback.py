@@ -40,14 +40,17 @@ from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner, Partit
 from torch.fx.passes.operator_support import OperatorSupportBase
 
 from kiln.backends import DEFAULT_BACKEND, Backend, get_backend
-from kiln.frontends.torch import capture as capture_mod
-from kiln.frontends.torch.autograd import DifferentiableGraph
 from kiln.frontends.errors import CaptureError, UnsupportedOpError
 from kiln.ir import Graph, KilnError
-from kiln.passes.custom import inline_custom_vjp
+from kiln.passes.inline_custom_vjp import inline_custom_vjp
+from kiln.passes.pipeline import GraphTransform
 from kiln.runtime.module import RNG_SEED_PARAM, draw_seed
 
-GraphTransform = Callable[[Graph], Graph]
+from . import aten_support
+from . import capture as capture_mod
+from .aten_support import describe_inputs, source_location, unsupported_reason
+from .autograd import DifferentiableGraph
+from .lowering import is_mutating
 
 # Ops that only re-describe memory: a partition made of nothing else stays in PyTorch.
 _VIEW_OPS = frozenset({
@@ -132,12 +135,12 @@ _GETITEM = operator.getitem
 
 def source_of(node: fx.Node) -> str | None:
     """``file.py:LINE in fn: code`` of the user's line that produced ``node``, if recorded."""
-    return capture_mod.source_location(node)
+    return source_location(node)
 
 
 def is_supported(node: fx.Node) -> bool:
     """Whether ``node`` is a call kiln lowers (a ``getitem`` when its producer is)."""
-    return node.op == "call_function" and capture_mod.is_supported(node)
+    return node.op == "call_function" and aten_support.is_supported(node)
 
 
 def unsupported_nodes(gm: fx.GraphModule) -> list[fx.Node]:
@@ -185,10 +188,10 @@ def _refuse_unsupported_writes(unsupported: Sequence[fx.Node]) -> None:
     """An in-place write kiln cannot lower cannot run in PyTorch either: the partitions around
     it hold copies, so the write would be lost.  Refuse it, also without ``strict``."""
     for node in unsupported:
-        if capture_mod.is_mutating(node):
+        if is_mutating(node):
             raise UnsupportedOpError(
-                op_name(node), capture_mod.describe_inputs(node), source_of(node),
-                capture_mod.unsupported_reason(node) or "the op writes in place",
+                op_name(node), describe_inputs(node), source_of(node),
+                unsupported_reason(node) or "the op writes in place",
                 hint="kiln compiles functional graphs (torch.compile functionalizes them for "
                 "kiln); rewrite the in-place update functionally (torch.where, torch.cat, "
                 "index_put, slice_scatter) or pass a functionalized graph.")

@@ -3,8 +3,12 @@
 * :mod:`.expr` -- expressions; :mod:`.program` -- loops, statements, programs;
 * :mod:`.text` -- the canonical text form (``format_program`` / ``parse_program``);
 * :mod:`.interp` -- a numpy interpreter (``run``);
-* :mod:`.cfront` -- ``from_c``: a PolyBench-style C subset; :mod:`.cgen` -- ``to_c``;
-* :mod:`.native` -- ``compile_c``: build ``to_c`` output with cc and call it through ctypes.
+* :mod:`.cfront` -- ``from_c``: a PolyBench-style C subset;
+* :mod:`.cgen` -- ``to_c`` and :class:`~.cgen.CStylePrinter`, the base of every C-family
+  printer (the cpu backend's OpenMP printer is one).
+
+The IR only prints C; building and running it natively is the cpu backend's
+(:mod:`kiln.backends.cpu.native`, ``compile_c``).
 
 Nothing here imports islpy at module level; the polyhedral view lives in :mod:`kiln.ir.poly`.
 """

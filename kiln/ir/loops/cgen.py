@@ -1,30 +1,76 @@
-"""``to_c``: print a loop program as one compilable C99 function.
+"""C printing of loop programs: :class:`CStylePrinter`, the base of every C-family printer,
+and ``to_c``, its plainest use.
 
-The function takes the integer size parameters (``long``), then the scalar parameters, then
-one pointer per global buffer written as a C99 variably-modified array (``double A[N][M]``);
-a 0-d buffer is ``double s[1]``.  Local buffers are ``calloc``-ed and freed inside.  Loops
-print their annotations as pragmas: ``parallel`` -> ``#pragma omp parallel for``,
-``vectorized`` -> ``#pragma omp simd``, ``unrolled(f)`` -> ``#pragma GCC unroll f``.
+``to_c`` prints a loop program as one compilable C99 function.  The function takes the
+integer size parameters (``long``), then the scalar parameters, then one pointer per global
+buffer written as a C99 variably-modified array (``double A[N][M]``); a 0-d buffer is
+``double s[1]``.  Local buffers are ``calloc``-ed and freed inside.  Loops print their
+annotations as pragmas: ``parallel`` -> ``#pragma omp parallel for``, ``vectorized`` ->
+``#pragma omp simd``, ``unrolled(f)`` -> ``#pragma GCC unroll f``.
 
 The C semantics match the interpreter: ``/``/``%`` are C's, ``floordiv``/``floormod`` round
 down, stores convert to the buffer dtype, math calls use the ``f``-suffixed functions in
-``float``.
+``float``.  ``f16`` and ``bf16`` are spelled ``_Float16`` and ``__bf16`` (GCC and Clang;
+arithmetic on ``__bf16`` needs GCC 13 or Clang 17): their literals are casts of ``float``
+literals, their math calls are the ``float`` functions, and the compiler evaluates their
+arithmetic in ``float`` and rounds at every store and cast (``FLT_EVAL_METHOD``), where the
+interpreter rounds after every operation.
+
+:class:`CStylePrinter` holds everything C-family dialects share -- statements, expressions
+with C precedence, reductions, ``if``, loop nests -- and exposes what differs as hooks, in the
+spirit of tinygrad's ``CStyleLanguage``:
+
+==========================  ===========================================================
+hook                        what it decides (default: plain C99)
+==========================  ===========================================================
+``types``, ``type_name``    the spelling of each dtype (``float``, ``_Float16``)
+``type_error``              the error for a dtype the dialect cannot spell
+``const``, ``float_literal``  literals (``1.5f``, ``((_Float16)1.5f)``, ``INFINITY``)
+``cast``                    conversions (``((float)(x))``)
+``math_function``           the function a math call names (``expf``, ``fabs``, ``labs``)
+``loop_pragmas``            lines above a loop (``#pragma omp simd``)
+``loop_header``             the ``for (...) {`` line
+``function_prefix``         qualifiers before ``void`` (``static``)
+``params``, ``buffer_param``  the kernel signature (``double A[N][M]``)
+``declare_local``,          the prologue: local buffers (stack array or ``calloc``,
+``stack_local``             freed at the end)
+``target``                  where a statement writes (an accumulator register)
+``ref``                     how a buffer element is addressed (``A[i][j]``)
+``prelude``                 text before the functions (includes, ``KILN_MIN``)
+==========================  ===========================================================
+
+The cpu backend's OpenMP printer (:class:`kiln.backends.cpu.codegen.KernelPrinter`)
+overrides ``loop``/``loop_pragmas`` (collapsed parallel regions, reductions in registers),
+``target``, ``function_prefix``, ``buffer_param`` (``restrict``), ``stack_local`` and the
+types.  A CUDA C printer would override ``types`` (``half``, ``__nv_bfloat16``),
+``float_literal`` and ``math_function`` for them (``__float2half``, ``hexp``),
+``function_prefix`` (``extern "C" __global__``), ``buffer_param`` and ``ref`` (flat
+``float *__restrict__`` pointers indexed by row-major offsets: C++ has no variably-modified
+arrays), ``loop_header`` (a loop mapped to ``blockIdx.x``/``threadIdx.x`` becomes an index
+computation and a bounds check), ``declare_local`` (``__shared__`` buffers), and
+``prelude`` (``cuda_fp16.h`` instead of ``math.h``).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
+from typing import ClassVar
 
 from ..types import DType
 from .expr import (
     CMP_OPS, INDEX, Binary, Call, Cast, Const, Expr, Load, Select, Unary, Var, dtype_of,
 )
-from .program import If, Loop, Node, Program, Reduce, Store
+from .program import Buffer, If, Loop, Node, Program, Reduce, Store
 
-C_TYPES = {DType.float64: "double", DType.float32: "float", DType.int64: "long", DType.int32: "int",
-           DType.int8: "signed char", DType.uint8: "unsigned char", DType.bool: "_Bool"}
+C_TYPES: Mapping[DType, str] = {
+    DType.float64: "double", DType.float32: "float", DType.float16: "_Float16", DType.bfloat16: "__bf16",
+    DType.int64: "long", DType.int32: "int", DType.int8: "signed char", DType.uint8: "unsigned char",
+    DType.bool: "_Bool",
+}
+"""The C spelling of every dtype ``to_c`` prints."""
 
-_PRELUDE = """#include <math.h>
+C_PRELUDE = """#include <math.h>
 #include <stdlib.h>
 
 #define KILN_MIN(a, b) ((a) < (b) ? (a) : (b))
@@ -38,51 +84,88 @@ static inline long kiln_floormod(long a, long b) {
   return (r != 0 && ((r < 0) != (b < 0))) ? r + b : r;
 }
 """
+"""Includes and helpers every C-family function printed here relies on."""
 
 _PREC = {"||": 1, "&&": 2, "==": 3, "!=": 3, "<": 4, "<=": 4, ">": 4, ">=": 4,
          "+": 5, "-": 5, "*": 6, "/": 6, "%": 6}
 _PRAGMAS = {"parallel": "#pragma omp parallel for", "vectorized": "#pragma omp simd"}
+_HALF = (DType.float16, DType.bfloat16)
 
 
-def c_type(dtype: DType) -> str:
-    try:
-        return C_TYPES[dtype]
-    except KeyError:
-        raise ValueError(f"to_c: dtype {dtype.short} has no C type; use f64, f32 or an integer type") from None
+class CStylePrinter:
+    """Prints one loop program as one C-family function; see the module docstring for the
+    hooks a dialect overrides.  ``CStylePrinter(program).function(name)`` is the function's
+    text (``to_c`` adds :attr:`prelude`)."""
 
+    types: ClassVar[Mapping[DType, str]] = C_TYPES
+    prelude: ClassVar[str] = C_PRELUDE
+    function_prefix: ClassVar[str] = ""
 
-class _CPrinter:
     def __init__(self, program: Program):
         self.program = program
         self.var_dtypes = {p.name: p.dtype for p in program.params}
         self.buf_dtypes = {b.name: b.dtype for b in program.buffers}
         self.lines: list[str] = []
 
+    # ----------------------------------------------------------------- types
+    @classmethod
+    def type_name(cls, dtype: DType) -> str:
+        """The dialect's spelling of ``dtype``; raises :meth:`type_error` when it has none."""
+        try:
+            return cls.types[dtype]
+        except KeyError:
+            raise cls.type_error(dtype) from None
+
+    @classmethod
+    def type_error(cls, dtype: DType) -> Exception:
+        """The error for a dtype without a spelling in :attr:`types`."""
+        return ValueError(f"to_c: dtype {dtype.short} has no C type; use a float or an integer type")
+
+    # ----------------------------------------------------------------- the function
     def function(self, name: str) -> str:
-        p = self.program
-        args = [f"long {q.name}" for q in p.params if q.dtype.is_integer]
-        args += [f"{c_type(q.dtype)} {q.name}" for q in p.params if not q.dtype.is_integer]
-        for b in p.buffers:
-            if b.scope == "global":
-                dims = "".join(f"[{self.expr(d)}]" for d in b.shape) if b.shape else "[1]"
-                args.append(f"{c_type(b.dtype)} {b.name}{dims}")
-        self.lines.append(f"void {name}({', '.join(args) or 'void'}) {{")
-        locals_ = [b for b in p.buffers if b.scope != "global"]
-        for b in locals_:
-            t = c_type(b.dtype)
-            if not b.shape:
-                self.lines.append(f"  {t} {b.name}[1] = {{0}};")
-                continue
-            inner = "".join(f"[{self.expr(d)}]" for d in b.shape[1:])
-            self.lines.append(f"  {t} (*{b.name}){inner} = calloc(KILN_MAX({self.expr(b.shape[0])}, 1), "
-                              f"sizeof *{b.name});")
-        for n in p.body:
+        """The whole function ``name``: signature, prologue, body, frees."""
+        self.lines.append(self.signature(name))
+        heap = [b for b in self.program.buffers if b.scope != "global" and self.declare_local(b)]
+        for n in self.program.body:
             self.node(n, "  ")
-        for b in locals_:
-            if b.shape:
-                self.lines.append(f"  free({b.name});")
+        for b in heap:
+            self.lines.append(f"  free({b.name});")
         self.lines.append("}")
         return "\n".join(self.lines)
+
+    def signature(self, name: str) -> str:
+        """``<prefix>void name(params) {``."""
+        return f"{self.function_prefix}void {name}({', '.join(self.params()) or 'void'}) {{"
+
+    def params(self) -> list[str]:
+        """Parameter declarations: sizes (``long``), scalars, then the global buffers."""
+        p = self.program
+        out = [f"long {q.name}" for q in p.params if q.dtype.is_integer]
+        out += [f"{self.type_name(q.dtype)} {q.name}" for q in p.params if not q.dtype.is_integer]
+        return out + [self.buffer_param(b) for b in p.buffers if b.scope == "global"]
+
+    def dims(self, b: Buffer) -> list[str]:
+        """The extents of ``b`` as C text (``["1"]`` for a 0-d buffer)."""
+        return [self.expr(d) for d in b.shape] or ["1"]
+
+    def buffer_param(self, b: Buffer) -> str:
+        """A global buffer as a variably-modified array parameter: ``double A[N][M]``."""
+        return f"{self.type_name(b.dtype)} {b.name}" + "".join(f"[{d}]" for d in self.dims(b))
+
+    def stack_local(self, b: Buffer) -> bool:
+        """Whether local buffer ``b`` is a stack array (default: 0-d buffers only)."""
+        return not b.shape
+
+    def declare_local(self, b: Buffer) -> bool:
+        """Declare local buffer ``b`` zero-initialized; True when it is heap-allocated (the
+        function frees it at the end)."""
+        t, dims = self.type_name(b.dtype), self.dims(b)
+        if self.stack_local(b):
+            self.lines.append(f"  {t} {b.name}{''.join(f'[{d}]' for d in dims)} = {{0}};")
+            return False
+        inner = "".join(f"[{d}]" for d in dims[1:])
+        self.lines.append(f"  {t} (*{b.name}){inner} = calloc(KILN_MAX({dims[0]}, 1), sizeof *{b.name});")
+        return True
 
     # ----------------------------------------------------------------- statements
     def node(self, n: Node, ind: str) -> None:
@@ -101,23 +184,41 @@ class _CPrinter:
             self.statement(n, ind)
 
     def loop(self, n: Loop, ind: str) -> None:
+        """The pragmas of ``n`` (:meth:`loop_pragmas`), then the loop (:meth:`for_loop`)."""
+        self.lines += [ind + line for line in self.loop_pragmas(n)]
+        self.for_loop(n, ind)
+
+    def loop_pragmas(self, n: Loop) -> list[str]:
+        """Lines printed above loop ``n``: its annotation as a pragma (or a comment)."""
         ann = n.annotation
         if ann.mode in _PRAGMAS:
-            self.lines.append(f"{ind}{_PRAGMAS[ann.mode]}")
-        elif ann.mode == "unrolled":
-            self.lines.append(f"{ind}#pragma GCC unroll {ann.factor}")
-        elif ann.mode == "mapped":
-            self.lines.append(f"{ind}/* mapped to {ann.axis} */")
+            return [_PRAGMAS[ann.mode]]
+        if ann.mode == "unrolled":
+            return [f"#pragma GCC unroll {ann.factor}"]
+        if ann.mode == "mapped":
+            return [f"/* mapped to {ann.axis} */"]
+        return []
+
+    def loop_header(self, n: Loop) -> str:
+        """``for (long i = lo; i < hi; i++) {``."""
         it = n.iterator
-        self.var_dtypes[it] = INDEX
         step = f"{it}++" if n.step == 1 else f"{it} += {n.step}"
-        self.lines.append(f"{ind}for (long {it} = {self.expr(n.lower)}; {it} < {self.expr(n.upper)}; {step}) {{")
+        return f"for (long {it} = {self.expr(n.lower)}; {it} < {self.expr(n.upper)}; {step}) {{"
+
+    def for_loop(self, n: Loop, ind: str) -> None:
+        """Loop ``n`` without pragmas: header, body, closing brace."""
+        self.var_dtypes[n.iterator] = INDEX
+        self.lines.append(ind + self.loop_header(n))
         for c in n.body:
             self.node(c, ind + "  ")
         self.lines.append(f"{ind}}}")
 
+    def target(self, s: Store | Reduce) -> str:
+        """What statement ``s`` writes: the buffer element it names."""
+        return self.ref(s.buffer, s.indices)
+
     def statement(self, s: Store | Reduce, ind: str) -> None:
-        target = self.ref(s.buffer, s.indices)
+        target = self.target(s)
         value = self.expr(s.value)
         if isinstance(s, Store):
             self.lines.append(f"{ind}{target} = {value};")
@@ -154,10 +255,14 @@ class _CPrinter:
         if isinstance(e, Select):
             return f"({self.expr(e.cond)} ? {self.expr(e.if_true)} : {self.expr(e.if_false)})", 8
         if isinstance(e, Cast):
-            return f"(({c_type(e.dtype)})({self.expr(e.operand)}))", 8
+            return self.cast(e.dtype, self.expr(e.operand)), 8
         if isinstance(e, Call):
             return self.call(e), 8
         return self.binary(e)
+
+    def cast(self, dtype: DType, text: str) -> str:
+        """``text`` converted to ``dtype``."""
+        return f"(({self.type_name(dtype)})({text}))"
 
     def const(self, c: Const) -> tuple[str, int]:
         v = c.value
@@ -166,7 +271,7 @@ class _CPrinter:
         if c.dtype.is_integer:
             text = str(int(v)) + ("L" if abs(int(v)) > 2**31 - 1 else "")
             if c.dtype != INDEX:
-                return f"(({c_type(c.dtype)}){text})", 8
+                return f"(({self.type_name(c.dtype)}){text})", 8
             return text, (7 if v < 0 else 8)
         f = float(v)
         if math.isnan(f):
@@ -176,18 +281,29 @@ class _CPrinter:
         text = repr(f) if c.dtype == DType.float64 else repr(float(c.dtype.numpy.type(f)))
         if not any(ch in text for ch in ".e"):
             text += ".0"
-        if c.dtype == DType.float32:
-            text += "f"
-        return text, (7 if f < 0 or text.startswith("-") else 8)
+        return self.float_literal(text, c.dtype)
+
+    def float_literal(self, text: str, dtype: DType) -> tuple[str, int]:
+        """The literal of finite value ``text`` (exact in ``dtype``) and its precedence:
+        ``1.5`` (f64), ``1.5f`` (f32), ``((_Float16)1.5f)`` (a cast for narrower types)."""
+        if dtype == DType.float64:
+            return text, (7 if text.startswith("-") else 8)
+        if dtype == DType.float32:
+            return text + "f", (7 if text.startswith("-") else 8)
+        return f"(({self.type_name(dtype)}){text}f)", 8
+
+    def math_function(self, fn: str, dtype: DType) -> str:
+        """The C function of math call ``fn`` on ``dtype``: ``fabs``/``labs`` for ``abs``,
+        the ``f``-suffixed ``float`` functions for f32 (and for f16/bf16, computed in
+        ``float``)."""
+        suffix = "f" if dtype == DType.float32 or dtype in _HALF else ""
+        if fn == "abs":
+            return f"fabs{suffix}" if dtype.is_floating else "labs"
+        return fn + suffix
 
     def call(self, e: Call) -> str:
-        dt = self.dtype(e)
         args = ", ".join(self.expr(a) for a in e.args)
-        if e.fn == "abs":
-            if dt.is_floating:
-                return f"fabs{'f' if dt == DType.float32 else ''}({args})"
-            return f"labs({args})"
-        return f"{e.fn}{'f' if dt == DType.float32 else ''}({args})"
+        return f"{self.math_function(e.fn, self.dtype(e))}({args})"
 
     def binary(self, e: Binary) -> tuple[str, int]:
         if e.op in ("min", "max"):
@@ -212,7 +328,15 @@ class _CPrinter:
         return f"{a} {e.op} {b}", p
 
 
+def c_type(dtype: DType) -> str:
+    """The C spelling of ``dtype`` (:data:`C_TYPES`); ``ValueError`` when it has none."""
+    return CStylePrinter.type_name(dtype)
+
+
 def to_c(program: Program, name: str | None = None, prelude: bool = True) -> str:
     """C99 source of ``program`` as ``void <name>(...)``; see the module docstring."""
-    body = _CPrinter(program).function(name or program.name)
-    return (_PRELUDE + "\n" + body + "\n") if prelude else body + "\n"
+    body = CStylePrinter(program).function(name or program.name)
+    return (CStylePrinter.prelude + "\n" + body + "\n") if prelude else body + "\n"
+
+
+__all__ = ["C_PRELUDE", "C_TYPES", "CStylePrinter", "c_type", "to_c"]

@@ -41,6 +41,15 @@ def broadcast_bool(types: Sequence[TensorType], **_) -> TensorType:
     return broadcast(types).with_dtype(DType.bool)
 
 
+def broadcasts_to(shape: Sequence, target: Sequence) -> bool:
+    """Whether ``shape`` broadcasts to exactly ``target`` (a mask to the scores, values to
+    the indexed positions)."""
+    try:
+        return broadcast_shapes(tuple(shape), tuple(target)) == tuple(target)
+    except ValueError:
+        return False
+
+
 def reduced_shape(shape: tuple, dims: Sequence[int] | None, keepdim: bool) -> tuple:
     """Shape after reducing ``dims`` (all dims when ``None`` or empty)."""
     rank = len(shape)

@@ -8,7 +8,7 @@ import numpy as np
 
 from ..registry import Attr, defop
 from ..types import DType, TensorType, broadcast_shapes
-from ._infer import fmt_shape, require_float, same_dtypes, upcast_half
+from ._infer import broadcasts_to, fmt_shape, require_float, same_dtypes, upcast_half
 from ._nn_common import cast_like
 from .compute import (
     broadcast_index,
@@ -19,6 +19,7 @@ from .compute import (
     defcompute,
     select,
 )
+from .cost import numel
 from .vjp import defvjp, unbroadcast
 
 
@@ -46,18 +47,25 @@ def _sdpa_infer(types, *, is_causal=False, scale=None):
             raise TypeError(f"mask must be bool (keep where true) or floating (added), got "
                             f"{mask.dtype.short}")
         scores = (*batch, length, keys)
-        try:
-            fits = broadcast_shapes(mask.shape, scores) == scores
-        except ValueError:
-            fits = False
-        if not fits:
+        if not broadcasts_to(mask.shape, scores):
             raise ValueError(f"mask {fmt_shape(mask.shape)} does not broadcast to the attention "
                              f"scores {fmt_shape(scores)}")
     return TensorType((*batch, length, ev), dtype)
 
 
+_SOFTMAX_FLOPS = 5  # per score, as the ``softmax`` op's cost
+
+
+def _sdpa_cost(input_types, output_types, **_) -> float:
+    """Both products (``2 E`` and ``2 Ev`` per score) and the softmax of the scores."""
+    q, k, v = input_types[:3]
+    rows = numel(q) // max(1, q.shape[-1])  # batch * heads * L
+    keys = k.shape[-2] if isinstance(k.shape[-2], int) else 1
+    return float(rows * keys * (2 * q.shape[-1] + 2 * v.shape[-1] + _SOFTMAX_FLOPS))
+
+
 @defop("scaled_dot_product_attention", infer=_sdpa_infer, num_inputs=(3, 4),
-       traits=("composite",), amp="low", attrs={
+       traits=("composite",), amp="low", cost=_sdpa_cost, attrs={
            "is_causal": Attr("bool", False), "scale": Attr("float", None, optional=True)})
 def scaled_dot_product_attention(q, k, v, mask=None, *, is_causal=False, scale=None):
     """``softmax(q @ k^T * scale + mask) @ v``; rows with every key masked out give 0."""

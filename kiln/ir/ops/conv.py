@@ -29,6 +29,7 @@ from .compute import (
     select,
     simplify_index,
 )
+from .cost import numel
 from .vjp import GradBuilder, defvjp
 
 
@@ -67,7 +68,14 @@ def _conv_infer(types, *, stride, padding, dilation, groups=1):
     return TensorType((x.shape[0], cout, *out), dtype)
 
 
-@defop("conv", infer=_conv_infer, num_inputs=(2, 3), traits=("conv",), amp="low", attrs={
+def _conv_cost(input_types, output_types, **_) -> float:
+    """A multiply-add per result element and weight element of one output channel
+    (``2 * out * Cin / groups * prod(kernel)``)."""
+    per_output = math.prod(d for d in input_types[1].shape[1:] if isinstance(d, int))
+    return 2.0 * sum(numel(t) for t in output_types) * per_output
+
+
+@defop("conv", infer=_conv_infer, num_inputs=(2, 3), traits=("conv",), amp="low", cost=_conv_cost, attrs={
     "stride": Attr("ints"), "padding": Attr("ints"), "dilation": Attr("ints"),
     "groups": Attr("int", 1)})
 def conv(x, w, bias=None, *, stride, padding, dilation, groups=1):
@@ -169,7 +177,8 @@ def _conv_transpose_infer(types, *, stride, padding, dilation, groups=1, output_
     return TensorType((x.shape[0], cout, *out), dtype)
 
 
-@defop("conv_transpose", infer=_conv_transpose_infer, num_inputs=(2, 3), traits=("conv",), amp="low", attrs={
+@defop("conv_transpose", infer=_conv_transpose_infer, num_inputs=(2, 3), traits=("conv",), amp="low",
+       cost=_conv_cost, attrs={
     "stride": Attr("ints"), "padding": Attr("ints"), "dilation": Attr("ints"),
     "groups": Attr("int", 1), "output_padding": Attr("ints", ())})
 def conv_transpose(x, w, bias=None, *, stride, padding, dilation, groups=1, output_padding=()):

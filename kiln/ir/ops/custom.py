@@ -22,7 +22,7 @@ Semantics:
   not (a Function Dynamo cannot trace, seen through ``torch.export``, which keeps only the
   forward); differentiating through the node then raises :class:`~kiln.ir.KilnError` naming
   the Function and ``why``;
-* the ``inline-custom-vjp`` pass (:mod:`kiln.passes.custom`) replaces the node by its forward
+* the ``inline-custom-vjp`` pass (:mod:`kiln.passes.inline_custom_vjp`) replaces the node by its forward
   graph once autodiff has run, so backends generate code for the forward ops as usual.
 
 The text form prints both graphs inline, as ``fused`` does::

@@ -38,6 +38,7 @@ from .compute import (
     defcompute,
     float_compute_dtype,
 )
+from .cost import per_element
 from .vjp import defvjp, unbroadcast
 
 FUSED_TEMPLATES = ("elementwise", "reduction", "matmul", "conv", "opaque")
@@ -101,7 +102,14 @@ def fused(*arrays: np.ndarray, template: str, body: Graph) -> Any:
     return results[0] if len(results) == 1 else tuple(results)
 
 
-@defop("silu_mul", infer=broadcast_float, num_inputs=2, traits=("elementwise",))
+def _decompose_silu_mul(builder, node):
+    """``silu(a) * b``."""
+    a, b = node.inputs
+    return [builder.mul(builder.op("silu", a), b)]
+
+
+@defop("silu_mul", infer=broadcast_float, num_inputs=2, traits=("elementwise",),
+       decompose=_decompose_silu_mul, cost=per_element(7))
 def silu_mul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """``silu(a) * b`` elementwise with broadcasting (half precision computed in float32)."""
     lowp = (np.float16, np.dtype("bfloat16"))

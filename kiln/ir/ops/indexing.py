@@ -1,283 +1,321 @@
-"""Scatters along one axis: ``scatter`` (overwrite) and ``scatter_reduce`` (sum, prod, mean,
-amax, amin, with or without the input's own value).  ``gather``, ``scatter_add``,
-``index_select``, ``index`` and ``index_put`` are declared in :mod:`kiln.ir.ops.layout`.
+"""Gathers and advanced indexing: gather, index_select, index (int or bool mask indices)
+and index_put.
 
-Shapes follow torch.scatter: ``x``, ``index`` and ``src`` have one rank, ``index`` is no
-larger than ``src`` on any axis nor than ``x`` off axis ``dim``, and only the leading
-``index.shape`` window of ``src`` is read.  Where several positions of ``index`` address one
-element, ``scatter`` keeps the last of them in row-major order (torch leaves this
-unspecified), and ``scatter_reduce`` combines them in that order.
+Every rule follows torch: indices are integer tensors (``index`` and ``index_put`` also
+take bool masks), negative axes count from the end, and the references raise
+``IndexError`` for the indices torch rejects.  Scatters are in :mod:`.scatter`.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
+
 import numpy as np
 
 from ..registry import Attr, defop
-from ..types import DType, normalize_dim
+from ..types import DType, SymDim, broadcast_shapes, normalize_dim
+from ._infer import broadcasts_to, fmt_shape, require_int
 from .compute import (
+    Const,
     LoweringError,
     Select,
     all_of,
+    broadcast_index,
     cmp,
     const,
-    convert,
     defcompute,
-    identity,
+    floordiv,
+    floormod,
+    linear_index,
 )
-from .layout import _check_bounds, _tail_pads, scatter_infer
-from .vjp import defvjp
+from .vjp import defvjp, unbroadcast
 
-REDUCTIONS = ("sum", "prod", "mean", "amax", "amin")
-
-
-def _scatter_reduce_infer(types, *, dim, reduce, include_self=True):
-    if reduce not in REDUCTIONS:
-        raise ValueError(f"reduce must be one of {', '.join(REDUCTIONS)}, got {reduce!r}")
-    return scatter_infer(types, dim=dim)
+NNZ = SymDim("nnz")
+"""Size of the axis a bool mask index produces: its number of true elements, known at run time."""
 
 
-def _targets(x: np.ndarray, index: np.ndarray, src: np.ndarray, dim: int, what: str):
-    """The fancy-index key of the addressed elements of ``x`` and the ``src`` values, both
-    in row-major order of ``index``."""
-    if x.ndim == 0:
-        _check_bounds(index, 1, what)
-        return (), src
-    axis = normalize_dim(dim, x.ndim)
-    _check_bounds(index, x.shape[axis], what)
-    grid = list(np.indices(index.shape))
-    grid[axis] = index.astype(np.int64)
-    window = tuple(slice(0, n) for n in index.shape)
-    return tuple(g.reshape(-1) for g in grid), src[window].reshape(-1)
+# ------------------------------------------------------------------- gather / selects
+def _check_bounds(index: np.ndarray, size: int, what: str, negative_ok: bool = False) -> None:
+    """Raise IndexError for indices torch would reject (numpy would wrap or raise vaguely)."""
+    if index.size == 0:
+        return
+    lo, hi = int(index.min()), int(index.max())
+    if hi >= size or lo < (-size if negative_ok else 0):
+        bad = hi if hi >= size else lo
+        raise IndexError(f"{what}: index {bad} is out of range for an axis of size {size}")
 
 
-@defop("scatter", infer=scatter_infer, num_inputs=3, attrs={"dim": Attr("int")})
-def scatter(x, index, src, *, dim):
-    """``out = x; out[index[i][j]][j] = src[i][j]`` for ``dim=0`` (torch.scatter); of repeated
-    positions the last in row-major order of ``index`` wins."""
-    out = np.array(x, copy=True)
-    key, values = _targets(x, index, src, dim, "scatter")
-    if x.ndim == 0:
-        if index.size:
-            out[()] = src.reshape(-1)[index.size - 1]
-        return out
-    out[key] = values  # numpy assigns repeated positions in order: the last one stays
-    return out
-
-
-_UFUNC = {"sum": np.add, "mean": np.add, "prod": np.multiply, "amax": np.maximum, "amin": np.minimum}
-
-
-@defop("scatter_reduce", infer=_scatter_reduce_infer, num_inputs=3,
-       attrs={"dim": Attr("int"), "reduce": Attr("str"), "include_self": Attr("bool", True)})
-def scatter_reduce(x, index, src, *, dim, reduce, include_self=True):
-    """torch.scatter_reduce: each addressed element of ``x`` combined with the ``src`` values
-    sent to it (``sum``, ``prod``, ``mean``, ``amax``, ``amin``); without ``include_self``
-    the addressed elements' own values are left out (elements nothing addresses keep
-    theirs).  Integer ``mean`` rounds down, as torch does."""
-    x = np.asarray(x)
-    if x.ndim == 0:
-        key, values = (), np.asarray(src).reshape(-1)[:index.size]
-        _check_bounds(index, 1, "scatter_reduce")
-        hit = index.size > 0
-    else:
-        key, values = _targets(x, index, src, dim, "scatter_reduce")
-        hit = True
-    out = np.array(x, copy=True)
-    ufunc = _UFUNC[reduce]
-    if x.ndim == 0:
-        if not hit:
-            return out
-        start = [out[()]] if include_self else []
-        acc = ufunc.reduce(np.concatenate([np.asarray(start, x.dtype), values.astype(x.dtype)]))
-        if reduce == "mean":
-            count = len(start) + values.size
-            acc = acc // count if x.dtype.kind in "iu" else acc / count
-        return np.asarray(acc, x.dtype)
-    count = np.ones(x.shape, np.int64) if include_self else np.zeros(x.shape, np.int64)
-    np.add.at(count, key, 1)
-    if not include_self:
-        out[key] = identity_value(reduce, x.dtype)
-    with np.errstate(invalid="ignore", over="ignore"):
-        ufunc.at(out, key, values)
-        if reduce == "mean":
-            touched = np.zeros(x.shape, bool)
-            touched[key] = True
-            div = np.maximum(count, 1).astype(out.dtype)
-            mean = out // div if x.dtype.kind in "iu" else out / div
-            out = np.where(touched, mean, out).astype(x.dtype)
-    return out
-
-
-def identity_value(reduce: str, dtype: np.dtype):
-    if reduce in ("sum", "mean"):
-        return 0
-    if reduce == "prod":
-        return 1
-    if np.dtype(dtype).kind == "f":
-        return -np.inf if reduce == "amax" else np.inf
-    if np.dtype(dtype).kind == "b":
-        return reduce == "amin"
-    info = np.iinfo(dtype)
-    return info.min if reduce == "amax" else info.max
-
-
-# ------------------------------------------------------------------------- gradients
-def _src_grad(b, picked, index, src):
-    """A cotangent gathered at ``index`` grown back to ``src``'s shape (zeros beyond)."""
-    if tuple(index.shape) != tuple(src.shape):
-        picked = b.op("pad", picked, pads=_tail_pads(index.shape, src.shape))
-    return picked
-
-
-@defvjp("scatter")
-def _scatter_vjp(b, inputs, outputs, cotangents, attrs):
-    """The overwritten elements of ``x`` get zero, ``src`` gets the cotangent gathered from
-    where it was written (torch's rule, also for repeated positions)."""
-    x, index, src = inputs
-    if not x.dtype.is_floating:
-        return [None, None, None]
-    g, dim = cotangents[0], attrs["dim"]
-    dx = b.op("scatter", g, index, b.zeros(index.type.with_dtype(x.dtype)), dim=dim) if b.wants(0) else None
-    dsrc = _src_grad(b, b.op("gather", g, index, dim=dim), index, src) if b.wants(2) else None
-    return [dx, None, dsrc]
-
-
-@defvjp("scatter_reduce")
-def _scatter_reduce_vjp(b, inputs, outputs, cotangents, attrs):
-    """Per reduction, as torch: sum passes the cotangent through; mean divides it by the
-    number of values combined; amax/amin share it evenly between the values equal to the
-    result; prod multiplies it by the product of the other values (exact with zeros:
-    counted zeros and the product of the nonzero values, no division by zero)."""
-    x, index, src = inputs
-    if not x.dtype.is_floating:
-        return [None, None, None]
-    y, g = outputs[0], cotangents[0]
-    dim, reduce, keep = attrs["dim"], attrs["reduce"], attrs["include_self"]
-    zsrc = b.zeros(index.type.with_dtype(x.dtype))
-
-    def gather(v):
-        return b.op("gather", v, index, dim=dim)
-
-    def combine(self_part, src_part, how):
-        return b.op("scatter_reduce", self_part, index, src_part, dim=dim, reduce=how, include_self=keep)
-
-    def window(v):  # src restricted to index's window
-        if tuple(index.shape) == tuple(src.shape):
-            return v
-        for a, n in enumerate(index.shape):
-            v = b.op("slice", v, dim=a, start=0, end=n)
-        return v
-
-    def self_grad(per_element):
-        """``x``'s cotangent: ``per_element`` where ``x`` takes part, else ``g`` untouched
-        (without include_self, the addressed elements do not take part: zero)."""
-        return per_element if keep else b.op("scatter", g, index, zsrc, dim=dim)
-
-    s = window(src)
-    one = b.const(1.0, x)
-    if reduce == "sum":
-        dx, ds = self_grad(g), gather(g)
-    elif reduce == "mean":
-        count = combine(b.full(x.shape, 1.0, x.dtype), b.full(index.shape, 1.0, x.dtype), "sum")
-        share = b.div(g, count)
-        dx = self_grad(share) if keep else b.op("scatter", g, index, zsrc, dim=dim)
-        ds = gather(share)
-    elif reduce in ("amax", "amin"):
-        ys = gather(y)
-        src_hit = b.cast(b.op("eq", s, ys), x.dtype)
-        self_hit = b.cast(b.op("eq", x, y), x.dtype) if keep else b.full(x.shape, 1.0, x.dtype)
-        ties = combine(self_hit, src_hit, "sum")
-        share = b.div(g, ties)
-        dx = b.mul(share, self_hit) if keep else b.op("scatter", g, index, zsrc, dim=dim)
-        ds = b.mul(gather(share), src_hit)
-    else:  # prod
-        zero = b.const(0.0, x)
-
-        def nonzero_parts(v):
-            is_zero = b.op("eq", v, zero)
-            return is_zero, b.where(is_zero, one, v)
-
-        x_zero, x_safe = nonzero_parts(x)
-        s_zero, s_safe = nonzero_parts(s)
-        zeros = combine(b.cast(x_zero, x.dtype) if keep else b.zeros(x.type), b.cast(s_zero, x.dtype), "sum")
-        nonzero_prod = combine(x_safe, s_safe, "prod")
-
-        def others(v_zero, v_safe, z, p):
-            """Product of the other values combined with ``v``."""
-            when_nonzero = b.where(b.op("eq", z, zero), b.div(p, v_safe), zero)
-            when_zero = b.where(b.op("eq", z, one), p, zero)
-            return b.where(v_zero, when_zero, when_nonzero)
-
-        dx = b.mul(g, others(x_zero, x_safe, zeros, nonzero_prod)) if keep else self_grad(None)
-        ds = b.mul(gather(g), others(s_zero, s_safe, gather(zeros), gather(nonzero_prod)))
-    return [dx if b.wants(0) else None, None, _src_grad(b, ds, index, src) if b.wants(2) else None]
-
-
-# ----------------------------------------------------------------------------- compute
-def _match(p, r, axis, index, x):
-    """Index position ``p`` with ``p[axis] = r`` addresses output element ``p``."""
-    at = (*p[:axis], r, *p[axis + 1:])
-    conds = [cmp("<", p[a], n) for a, n in enumerate(index.shape) if a != axis and n < x.shape[a]]
-    conds.append(cmp("==", index.at(at, DType.int64), p[axis]))
-    return at, all_of(conds)
-
-
-@defcompute("scatter")
-def _scatter_compute(ctx, x, index, src, *, dim):
-    """The last ``r`` along ``dim`` addressing each element (a ``max`` stage), then that
-    ``src`` value or ``x``'s own."""
-    t = x.dtype
-    if x.rank == 0:
-        return ctx.tensor((), t, lambda i: src[()] if index.shape == () else x[()])
+def _gather_infer(types, *, dim):
+    x, index = types
+    require_int(index, "index")
+    if index.rank != x.rank:
+        raise ValueError(f"index has rank {index.rank} but input has rank {x.rank}; they must match")
     axis = normalize_dim(dim, x.rank)
-    last = ctx.reduce(x.shape, DType.int64, "max", [index.shape[axis]],
-                      lambda p, r: Select(_match(p, r[0], axis, index, x)[1], r[0], const(-1, DType.int64)),
+    for a, (i, s) in enumerate(zip(index.shape, x.shape)):
+        if a != axis and isinstance(i, int) and isinstance(s, int) and i > s:
+            raise ValueError(f"index {fmt_shape(index.shape)} is larger than input "
+                             f"{fmt_shape(x.shape)} on axis {a}")
+    return index.with_dtype(x.dtype)
+
+
+@defop("gather", infer=_gather_infer, num_inputs=2, attrs={"dim": Attr("int", axes="axis")})
+def gather(x, index, *, dim):
+    """``out[i][j] = x[index[i][j]][j]`` for ``dim=0`` (torch.gather)."""
+    if x.ndim == 0:
+        _check_bounds(index, 1, "gather")
+        return x.copy()
+    axis = normalize_dim(dim, x.ndim)
+    _check_bounds(index, x.shape[axis], "gather")
+    window = tuple(slice(None) if a == axis else slice(0, n) for a, n in enumerate(index.shape))
+    return np.take_along_axis(x[window], index.astype(np.int64), axis=axis)
+
+
+@defvjp("gather")
+def _gather_vjp(b, inputs, outputs, cotangents, attrs):
+    """Scatter-add the cotangent into zeros at the gathered positions."""
+    x, index = inputs
+    if not x.dtype.is_floating:
+        return [None, None]
+    return [b.op("scatter_add", b.zeros(x.type), index, cotangents[0], dim=attrs["dim"]), None]
+
+
+def _index_select_infer(types, *, dim):
+    x, index = types
+    require_int(index, "index")
+    if index.rank > 1:
+        raise ValueError(f"index must be 0-d or 1-d, got {fmt_shape(index.shape)}")
+    if x.rank == 0:
+        raise ValueError("input must be at least 1-d")
+    axis = normalize_dim(dim, x.rank)
+    count = index.shape[0] if index.rank else 1
+    return x.with_shape(x.shape[:axis] + (count,) + x.shape[axis + 1:])
+
+
+@defop("index_select", infer=_index_select_infer, num_inputs=2, attrs={"dim": Attr("int", axes="axis")})
+def index_select(x, index, *, dim):
+    """The entries ``index`` (0-d or 1-d, non-negative) of axis ``dim``, in that order."""
+    axis = normalize_dim(dim, x.ndim)
+    _check_bounds(index, x.shape[axis], "index_select")
+    return np.take(x, index.reshape(-1).astype(np.int64), axis=axis)
+
+
+@defvjp("index_select")
+def _index_select_vjp(b, inputs, outputs, cotangents, attrs):
+    """Accumulate the cotangent into zeros at the selected entries (``index_put``)."""
+    x, index = inputs
+    if not x.dtype.is_floating:
+        return [None, None]
+    flat = b.reshape(index, (index.shape[0] if index.type.rank else 1,))
+    axis = normalize_dim(attrs["dim"], x.type.rank)
+    grad = b.op("index_put", b.zeros(x.type), cotangents[0], flat, dims=(axis,), accumulate=True)
+    return [grad, None]
+
+
+# ------------------------------------------------------------------- advanced indexing
+def _index_plan(rank: int, dims: Sequence[int], ranks: Sequence[int], masks: Sequence[bool]) -> list:
+    """For each input axis, the position of the index tensor starting there, ``None`` for a
+    full slice, or ``-1`` for an axis a bool mask starting earlier already covers."""
+    if len(dims) != len(ranks):
+        raise ValueError(f"dims {list(dims)} names {len(dims)} axes but {len(ranks)} index "
+                         "tensors are given")
+    plan: list = [None] * rank
+    for i, d in enumerate(dims):
+        start = normalize_dim(d, rank)
+        width = ranks[i] if masks[i] else 1
+        if masks[i] and width == 0:
+            raise ValueError(f"index {i} is a 0-d bool mask; use where() instead")
+        for a in range(start, start + width):
+            if a >= rank or plan[a] is not None:
+                raise ValueError(f"dims {list(dims)} with index ranks {list(ranks)} overlap or "
+                                 f"run past rank {rank}")
+            plan[a] = i if a == start else -1
+    return plan
+
+
+def _index_infer(types, *, dims):
+    x, indices = types[0], types[1:]
+    for i, t in enumerate(indices):
+        if t.dtype != DType.bool:
+            require_int(t, f"index {i}")
+    masks = [t.dtype == DType.bool for t in indices]
+    plan = _index_plan(x.rank, dims, [t.rank for t in indices], masks)
+    for i, t in enumerate(indices):
+        if masks[i]:
+            start = plan.index(i)
+            covered = x.shape[start:start + t.rank]
+            if any(isinstance(a, int) and isinstance(b, int) and a != b for a, b in zip(t.shape, covered)):
+                raise ValueError(f"bool mask {i} of shape {fmt_shape(t.shape)} does not match the "
+                                 f"indexed axes {fmt_shape(covered)}")
+    index_shape = broadcast_shapes(*((NNZ,) if m else t.shape for m, t in zip(masks, indices)))
+    sliced = [a for a, p in enumerate(plan) if p is None]
+    indexed = [a for a, p in enumerate(plan) if p is not None]
+    # Numpy's rule: adjacent indexed axes are replaced in place, otherwise moved first.
+    in_place = indexed == list(range(indexed[0], indexed[-1] + 1))
+    split = indexed[0] if in_place else 0
+    before = [x.shape[a] for a in sliced if a < split]
+    after = [x.shape[a] for a in sliced if a >= split]
+    return x.with_shape((*before, *index_shape, *after))
+
+
+@defop("index", infer=_index_infer, num_inputs=(2, None), attrs={"dims": Attr("ints", axes="seq")})
+def index(x, *indices, dims):
+    """Advanced indexing: ``indices[i]`` (int, or bool mask) indexes axis ``dims[i]``.
+
+    Numpy/torch placement: when the indexed axes are adjacent the broadcast index shape
+    replaces them in place, otherwise it comes first.  A bool mask covering ``k`` axes
+    selects its true positions, giving one axis of data-dependent size (``nnz``).
+    """
+    masks = [i.dtype == np.bool_ for i in indices]
+    plan = _index_plan(x.ndim, dims, [i.ndim for i in indices], masks)
+    key = tuple(slice(None) if p is None else indices[p] for p in plan if p != -1)
+    return np.asarray(x[key])
+
+
+@defvjp("index")
+def _index_vjp(b, inputs, outputs, cotangents, attrs):
+    """Accumulate the cotangent into zeros at the indexed positions (``index_put``)."""
+    x, indices = inputs[0], inputs[1:]
+    if not x.dtype.is_floating:
+        return [None] * len(inputs)
+    grad = b.op("index_put", b.zeros(x.type), cotangents[0], *indices, dims=attrs["dims"],
+                accumulate=True)
+    return [grad] + [None] * len(indices)
+
+
+def _index_put_infer(types, *, dims, accumulate=False):
+    x, values, indices = types[0], types[1], types[2:]
+    if values.dtype != x.dtype:
+        raise TypeError(f"values are {values.dtype.short} but input is {x.dtype.short}; "
+                        "cast the values first")
+    target = _index_infer([x, *indices], dims=dims).shape
+    if not broadcasts_to(values.shape, target):
+        raise ValueError(f"values {fmt_shape(values.shape)} do not broadcast to the indexed "
+                         f"positions {fmt_shape(target)}")
+    return x
+
+
+@defop("index_put", infer=_index_put_infer, num_inputs=(3, None),
+       attrs={"dims": Attr("ints"), "accumulate": Attr("bool", False)})
+def index_put(x, values, *indices, dims, accumulate=False):
+    """``x`` with the positions ``index(x, *indices, dims)`` selects set to ``values``
+    (broadcast), or incremented by them with ``accumulate`` (repeated positions add up)."""
+    masks = [i.dtype == np.bool_ for i in indices]
+    plan = _index_plan(x.ndim, dims, [i.ndim for i in indices], masks)
+    key = tuple(slice(None) if p is None else indices[p] for p in plan if p != -1)
+    out = np.array(x, copy=True)
+    if accumulate:
+        np.add.at(out, key, np.broadcast_to(values, out[key].shape))
+    else:
+        out[key] = values
+    return out
+
+
+@defvjp("index_put")
+def _index_put_vjp(b, inputs, outputs, cotangents, attrs):
+    """Accumulating: the input gets the cotangent, values get it gathered at their positions.
+    Overwriting: the overwritten positions of the input get zero."""
+    x, values, indices = inputs[0], inputs[1], inputs[2:]
+    if not x.dtype.is_floating:
+        return [None] * len(inputs)
+    g, dims = cotangents[0], attrs["dims"]
+    picked = b.op("index", g, *indices, dims=dims)
+    dvalues = unbroadcast(b, picked, values) if b.wants(1) else None
+    dx = g
+    if not attrs["accumulate"]:
+        dx = b.op("index_put", g, b.const(0.0, g), *indices, dims=dims)
+    return [dx, dvalues] + [None] * len(indices)
+
+
+# --------------------------------------------------------------- compute rules (lowering)
+@defcompute("gather")
+def _gather_compute(ctx, x, index, *, dim):
+    """``out[i] = x[i with axis dim replaced by index[i]]``."""
+    if x.rank == 0:
+        return ctx.tensor(ctx.out_shape, x.dtype, lambda i: x[()])
+    axis = normalize_dim(dim, x.rank)
+    return ctx.tensor(ctx.out_shape, x.dtype,
+                      lambda i: x[(*i[:axis], index.at(i, DType.int64), *i[axis + 1:])])
+
+
+@defcompute("index_select")
+def _index_select_compute(ctx, x, index, *, dim):
+    axis = normalize_dim(dim, x.rank)
+
+    def element(i):
+        pick = index.at((i[axis],) if index.rank else (), DType.int64)
+        return x[(*i[:axis], pick, *i[axis + 1:])]
+
+    return ctx.tensor(ctx.out_shape, x.dtype, element)
+
+
+@defcompute("index")
+def _index_compute(ctx, x, *indices, dims):
+    """Integer advanced indexing (negative indices wrap).  A bool mask selects a number of
+    elements known only at run time, which a loop program over static shapes cannot hold."""
+    if any(t.dtype == DType.bool for t in indices):
+        raise LoweringError("index with a bool mask has a data-dependent result shape "
+                            f"({ctx.out}); it cannot be lowered to loops: run it with its reference")
+    plan = _index_plan(x.rank, dims, [t.rank for t in indices], [False] * len(indices))
+    index_rank = len(broadcast_shapes(*(t.shape for t in indices)))
+    indexed = [a for a, p in enumerate(plan) if p is not None]
+    in_place = indexed == list(range(indexed[0], indexed[-1] + 1))
+    split = indexed[0] if in_place else 0
+    before = [a for a, p in enumerate(plan) if p is None and a < split]
+    after = [a for a, p in enumerate(plan) if p is None and a >= split]
+
+    def element(i):
+        src: list = [None] * x.rank
+        picked = i[len(before):len(before) + index_rank]
+        for k, a in enumerate(before):
+            src[a] = i[k]
+        for k, a in enumerate(after):
+            src[a] = i[len(before) + index_rank + k]
+        for a in indexed:
+            t = indices[plan[a]]
+            src[a] = floormod(t.at(broadcast_index(picked, t.shape), DType.int64), x.shape[a])
+        return x[tuple(src)]
+
+    return ctx.tensor(ctx.out_shape, x.dtype, element)
+
+
+@defcompute("index_put")
+def _index_put_compute(ctx, x, values, *indices, dims, accumulate=False):
+    """For each output position, the index positions ``b`` that address it: accumulated
+    (``x + sum``, in order of ``b``), or the last of them wins (a ``max`` stage finds it)."""
+    if any(t.dtype == DType.bool for t in indices):
+        raise LoweringError("index_put with a bool mask writes a data-dependent set of positions; "
+                            "it is not lowered to loops: run it with its reference")
+    plan = _index_plan(x.rank, dims, [t.rank for t in indices], [False] * len(indices))
+    positions = broadcast_shapes(*(t.shape for t in indices))
+    indexed = [a for a, p in enumerate(plan) if p is not None]
+    in_place = indexed == list(range(indexed[0], indexed[-1] + 1))
+    split = indexed[0] if in_place else 0
+    before = [a for a, p in enumerate(plan) if p is None and a < split]
+    after = [a for a, p in enumerate(plan) if p is None and a >= split]
+
+    def addressed(p, b):
+        conds = [cmp("==", floormod(indices[plan[a]].at(broadcast_index(b, indices[plan[a]].shape), DType.int64),
+                                    x.shape[a]), p[a]) for a in indexed]
+        return all_of(conds)
+
+    def value(p, b):
+        target = (*(p[a] for a in before), *b, *(p[a] for a in after))
+        return values.at(broadcast_index(target, values.shape), x.dtype)
+
+    if accumulate:
+        return ctx.reduce(x.shape, x.dtype, "+", list(positions),
+                          lambda p, b: Select(addressed(p, b), value(p, b), const(0, x.dtype)), "sum",
+                          init=lambda p: x[p])
+    last = ctx.reduce(x.shape, DType.int64, "max", list(positions),
+                      lambda p, b: Select(addressed(p, b), linear_index(b, positions), const(-1, DType.int64)),
                       "last", init=-1)
 
     def element(p):
-        at = (*p[:axis], last[p], *p[axis + 1:])
-        return Select(cmp(">=", last[p], 0), src.at(at, t), x[p])
+        flat, b = last[p], []
+        for d, n in enumerate(positions):
+            stride = math.prod(positions[d + 1:])
+            b.append(floormod(floordiv(flat, stride), n) if n != 1 else Const(0))
+        return Select(cmp(">=", flat, 0), value(p, tuple(b)), x[p])
 
-    return ctx.tensor(x.shape, t, element)
-
-
-_COMBINER = {"sum": "+", "mean": "+", "prod": "*", "amax": "max", "amin": "min"}
-
-
-@defcompute("scatter_reduce")
-def _scatter_reduce_compute(ctx, x, index, src, *, dim, reduce, include_self=True):
-    """One reduction over ``r`` along ``dim`` per output element (contributions in order of
-    ``r``), started from ``x`` (or the combiner's identity without include_self); a count
-    stage supplies mean's divisor and tells addressed elements apart."""
-    t = x.dtype
-    if x.rank == 0 or (reduce == "mean" and not t.is_floating):
-        raise LoweringError(f"scatter_reduce ({reduce}) of {x.dtype.short}{list(x.shape)} (0-d, or "
-                            "an integer mean, which rounds down) is not lowered to loops; run it "
-                            "with its reference")
-    axis = normalize_dim(dim, x.rank)
-    n = [index.shape[axis]]
-    combiner = _COMBINER[reduce]
-
-    def body(p, r):
-        at, hit = _match(p, r[0], axis, index, x)
-        return Select(hit, src.at(at, t), identity(combiner, t))
-
-    init = (lambda p: x[p]) if include_self else None
-    total = ctx.reduce(x.shape, t, combiner, n, body, "acc", init=init)
-    if reduce != "mean" and include_self:
-        return total
-    count = ctx.reduce(x.shape, DType.int64, "+", n,
-                       lambda p, r: convert(_match(p, r[0], axis, index, x)[1], DType.bool, DType.int64),
-                       "count")
-
-    def element(p):
-        value = total[p]
-        if reduce == "mean":
-            divisor = count[p] + 1 if include_self else count[p]
-            div = convert(Select(cmp(">", divisor, 0), divisor, const(1, DType.int64)), DType.int64, t)
-            value = value / div
-        return Select(cmp(">", count[p], 0), value, x[p]) if not include_self else value
-
-    return ctx.tensor(x.shape, t, element)
-
+    return ctx.tensor(x.shape, x.dtype, element)

@@ -11,6 +11,7 @@ import math
 
 import numpy as np
 
+from ..builder import GraphBuilder
 from ..registry import Attr, defop
 from ._infer import fmt_shape, require_float, upcast_half
 from ._nn_common import cast_like
@@ -22,6 +23,7 @@ from .compute import (
     drop_axes,
     floordiv,
 )
+from .cost import per_element, per_input_element
 from .vjp import GradBuilder, defvjp
 
 
@@ -40,7 +42,7 @@ def _batch_norm_infer(types, *, eps=1e-5):
 
 
 @defop("batch_norm", infer=_batch_norm_infer, num_inputs=5, traits=("composite", "pointwise"),
-       attrs={"eps": Attr("float", 1e-5)}, amp="float32")
+       attrs={"eps": Attr("float", 1e-5)}, amp="float32", cost=per_element(2))
 def batch_norm(x, weight, bias, running_mean, running_var, *, eps=1e-5):
     """Inference batch norm: ``(x - mean) / sqrt(var + eps) * weight + bias`` per channel."""
     xf = upcast_half(x)
@@ -97,8 +99,30 @@ def _affine(y: np.ndarray, weight, bias) -> np.ndarray:
     return y
 
 
+def _normalized_axes(x, normalized_rank: int) -> tuple[int, ...]:
+    return tuple(range(x.type.rank - normalized_rank, x.type.rank))
+
+
+def _scale_shift(b: GraphBuilder, y, params):
+    """``y [* weight] [+ bias]`` for the parameters the node has."""
+    for op, param in zip(("mul", "add"), params):
+        y = b.op(op, y, param)
+    return y
+
+
+def _decompose_layer_norm(b: GraphBuilder, node):
+    """``(x - mean(x)) * rsqrt(mean((x - mean(x))^2) + eps) [* w] [+ b]``."""
+    x = node.inputs[0]
+    axes = _normalized_axes(x, node.attrs["normalized_rank"])
+    d = b.sub(x, b.op("mean", x, dims=axes, keepdim=True))
+    var = b.op("mean", b.mul(d, d), dims=axes, keepdim=True)
+    y = b.mul(d, b.op("rsqrt", b.add(var, b.const(node.attrs["eps"], x))))
+    return [_scale_shift(b, y, node.inputs[1:])]
+
+
 @defop("layer_norm", infer=_norm_infer, num_inputs=(1, 3), traits=("composite", "normalization"),
-       attrs={"normalized_rank": Attr("int"), "eps": Attr("float", 1e-5)}, amp="float32")
+       attrs={"normalized_rank": Attr("int"), "eps": Attr("float", 1e-5)}, amp="float32",
+       decompose=_decompose_layer_norm, cost=per_input_element(8))
 def layer_norm(x, weight=None, bias=None, *, normalized_rank, eps=1e-5):
     """Normalize the last ``normalized_rank`` axes to zero mean and unit (biased) variance."""
     xf = upcast_half(x)
@@ -138,8 +162,18 @@ def _layer_norm_vjp(b, inputs, outputs, cotangents, attrs):
     return _norm_grads(b, inputs, cotangents[0], attrs["normalized_rank"], attrs["eps"], True)
 
 
+def _decompose_rms_norm(b: GraphBuilder, node):
+    """``x * rsqrt(mean(x * x) + eps) [* w]``."""
+    x = node.inputs[0]
+    axes = _normalized_axes(x, node.attrs["normalized_rank"])
+    ms = b.op("mean", b.mul(x, x), dims=axes, keepdim=True)
+    y = b.mul(x, b.op("rsqrt", b.add(ms, b.const(node.attrs["eps"], x))))
+    return [_scale_shift(b, y, node.inputs[1:])]
+
+
 @defop("rms_norm", infer=_norm_infer, num_inputs=(1, 2), traits=("composite", "normalization"),
-       attrs={"normalized_rank": Attr("int"), "eps": Attr("float", 1e-6)}, amp="float32")
+       attrs={"normalized_rank": Attr("int"), "eps": Attr("float", 1e-6)}, amp="float32",
+       decompose=_decompose_rms_norm, cost=per_input_element(5))
 def rms_norm(x, weight=None, *, normalized_rank, eps=1e-6):
     """``x / sqrt(mean(x^2) + eps) * weight`` over the last ``normalized_rank`` axes."""
     xf = upcast_half(x)

@@ -76,7 +76,7 @@ def _mask_infer(types, *, shape, p, offset=0):
     return TensorType(tuple(shape), DType.bool)
 
 
-@defop("dropout_mask", infer=_mask_infer, num_inputs=1, traits=("random",),
+@defop("dropout_mask", infer=_mask_infer, num_inputs=1, traits=("random", "replayable"),
        attrs={"shape": Attr("ints"), "p": Attr("float"), "offset": Attr("int", 0)})
 def dropout_mask(seed, *, shape, p, offset=0):
     """``True`` (keep) with probability ``1 - p`` per element, from ``(seed, offset + k)``."""

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from ..builder import GraphBuilder
 from ..registry import Attr, defop
 from ..types import DType, TensorType, normalize_dim
 from ._infer import fmt_shape, reduction_axes, require_float, upcast_half
@@ -28,9 +29,10 @@ from .compute import (
     drop_axes,
     linear_index,
 )
+from .cost import per_input_element
 from .vjp import GradBuilder, defvjp, expand_reduced, nondifferentiable
 
-_DIMS = {"dims": Attr("ints", ()), "keepdim": Attr("bool", False)}
+_DIMS = {"dims": Attr("ints", (), axes="set"), "keepdim": Attr("bool", False)}
 _OPT_DTYPE = Attr("dtype", None, optional=True)
 
 
@@ -185,7 +187,7 @@ def _mean_vjp(b, inputs, outputs, cotangents, attrs):
 
 
 @defop("var", infer=_float_infer, attrs={**_DIMS, "correction": Attr("float", 1.0)},
-       traits=("reduction", "composite"), amp="float32")
+       traits=("reduction", "composite"), amp="float32", cost=per_input_element(3))
 def var(x, *, dims=(), keepdim=False, correction=1.0):
     """Variance over ``dims`` dividing by ``N - correction`` (1.0: unbiased, 0.0: biased)."""
     with np.errstate(invalid="ignore", divide="ignore"):
@@ -250,7 +252,7 @@ def _arg(fn, x: np.ndarray, dim: int | None, keepdim: bool) -> np.ndarray:
     return _result(fn(upcast_half(x), axis=axis, keepdims=keepdim), np.int64)
 
 
-_ARG_ATTRS = {"dim": Attr("int", None, optional=True), "keepdim": Attr("bool", False)}
+_ARG_ATTRS = {"dim": Attr("int", None, optional=True, axes="axis"), "keepdim": Attr("bool", False)}
 
 
 @defop("argmax", infer=_arg_infer, attrs=_ARG_ATTRS, traits=("reduction",))
@@ -268,7 +270,8 @@ def argmin(x, *, dim=None, keepdim=False):
 defvjp("argmax", "argmin")(nondifferentiable)
 
 
-@defop("cumsum", infer=_scan_infer, attrs={"dim": Attr("int"), "dtype": _OPT_DTYPE}, amp="float32")
+@defop("cumsum", infer=_scan_infer, attrs={"dim": Attr("int", axes="axis"), "dtype": _OPT_DTYPE}, amp="float32",
+       cost=per_input_element(1))
 def cumsum(x, *, dim, dtype=None):
     """Inclusive prefix sum along ``dim``."""
     out = _accumulated(DType.from_numpy(x.dtype), dtype)
@@ -300,8 +303,29 @@ def _shifted(x: np.ndarray, dim: int) -> tuple[np.ndarray, int]:
         return z - np.max(z, axis=axis, keepdims=True), axis
 
 
-@defop("softmax", infer=_softmax_infer, attrs={"dim": Attr("int")},
-       traits=("composite", "normalization"), amp="float32")
+def _minus_max(b: GraphBuilder, x, dim: int):
+    """``x - amax(x)`` along ``dim`` (kept), the stable argument of the exponentials."""
+    return b.sub(x, b.op("amax", x, dims=(dim,), keepdim=True))
+
+
+def _decompose_softmax(b: GraphBuilder, node):
+    """``exp(x - amax(x)) / sum(exp(x - amax(x)))``."""
+    dim = node.attrs["dim"]
+    e = b.op("exp", _minus_max(b, node.inputs[0], dim))
+    return [b.div(e, b.op("sum", e, dims=(dim,), keepdim=True))]
+
+
+def _decompose_log_softmax(b: GraphBuilder, node):
+    """``(x - amax(x)) - log(sum(exp(x - amax(x))))``."""
+    dim = node.attrs["dim"]
+    z = _minus_max(b, node.inputs[0], dim)
+    total = b.op("sum", b.op("exp", z), dims=(dim,), keepdim=True)
+    return [b.sub(z, b.op("log", total))]
+
+
+@defop("softmax", infer=_softmax_infer, attrs={"dim": Attr("int", axes="axis")},
+       traits=("composite", "normalization", "nonnegative"), amp="float32",
+       decompose=_decompose_softmax, cost=per_input_element(5))
 def softmax(x, *, dim):
     """``exp(x) / sum(exp(x))`` along ``dim``, computed after subtracting the maximum."""
     z, axis = _shifted(x, dim)
@@ -321,8 +345,9 @@ def _softmax_vjp(b, inputs, outputs, cotangents, attrs):
     return [b.mul(y, b.sub(g, dot))]
 
 
-@defop("log_softmax", infer=_softmax_infer, attrs={"dim": Attr("int")},
-       traits=("composite", "normalization"), amp="float32")
+@defop("log_softmax", infer=_softmax_infer, attrs={"dim": Attr("int", axes="axis")},
+       traits=("composite", "normalization"), amp="float32",
+       decompose=_decompose_log_softmax, cost=per_input_element(6))
 def log_softmax(x, *, dim):
     """``x - log(sum(exp(x)))`` along ``dim``, computed after subtracting the maximum."""
     z, axis = _shifted(x, dim)

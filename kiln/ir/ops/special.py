@@ -3,10 +3,11 @@ base-10/base-2 exponentials and logarithms, the error and gamma families, modifi
 functions, and floating-point manipulation (``fmod``, ``copysign``, ``fmax``/``fmin``,
 ``nextafter``, ``signbit``).
 
-Conventions are those of :mod:`kiln.ir.ops.elementwise`: integer inputs to float math give
-float32, half precision computes in float32, binary ops broadcast and promote.  Functions the
-C math library lacks (``lgamma``, ``polygamma``, the Bessel functions, ``erfinv``, ...) have no
-compute definition: the cpu backend runs their numpy (scipy) reference.
+Conventions are those of :mod:`kiln.ir.ops.elementwise` and :mod:`kiln.ir.ops.arithmetic`:
+integer inputs to float math give float32, half precision computes in float32, binary ops
+broadcast and promote.  Functions the C math library lacks (``lgamma``, ``polygamma``, the
+Bessel functions, ``erfinv``, ...) have no compute definition: the cpu backend runs their
+numpy (scipy) reference.
 """
 
 from __future__ import annotations
@@ -21,16 +22,8 @@ from ..registry import Attr, defop
 from ..types import DType
 from ._infer import broadcast, broadcast_float, unary_float
 from .compute import call, cmp, compute_dtype, const, defcompute, select
-from .elementwise import (
-    _as_inferred,
-    _binary,
-    _binary_rule,
-    _elementwise_rule,
-    _f32,
-    _log1p,
-    _to,
-    _unary,
-)
+from .arithmetic import _binary, _binary_rule, _to
+from .elementwise import _as_inferred, _elementwise_rule, _f32, _log1p, _unary
 from .vjp import GradBuilder, defvjp, elementwise, nondifferentiable
 
 _LN2, _LN10 = math.log(2.0), math.log(10.0)

@@ -1,8 +1,9 @@
 """Pass ordering at compile time: the action sets, the observation of a graph, cost
 estimates, and the learned pipeline that a trained policy drives.
 
-The training side (the gymnasium environment, the corpus, baselines, PPO training and the
-evaluation) lives in :mod:`kiln.tuning.rl`.  See ``docs/pass-ordering.md``.
+The training side (the gymnasium environment, the corpus, baselines, PPO training, the
+evaluation and the measured cost) lives in :mod:`kiln.tuning.rl`; nothing here imports it.
+See ``docs/pass-ordering.md``.
 """
 
 from kiln.passes.ordering.actions import ACTION_SETS, STOP, Action, action_set

@@ -11,64 +11,26 @@ Every cost maps a :class:`~kiln.ir.Graph` to a non-negative float; lower is bett
   ``max(flops / peak_flops, bytes / bandwidth) + launch_overhead`` on a
   :class:`MachineModel`.  A ``fused`` node moves only its operands and results (its
   intermediates stay in registers or cache); views and creation ops are free.
-* ``measured`` -- median wall time of the numpy reference implementations on seeded random
-  arguments; slow, noisy, and optional.
 
-FLOPs per op come from :data:`FLOPS_PER_ELEMENT` and the rules in :func:`node_flops`.  An
-op may override them by declaring ``cost=`` on its registry entry: a function
-``cost(input_types, output_types, **attrs) -> float`` returning FLOPs.
+These are estimates; the measured cost (``"measured"``) belongs to :mod:`kiln.tuning.rl.costs`.
+
+FLOPs per op come from the op's declaration: ``cost=`` on its registry entry, a function
+``cost(input_types, output_types, **attrs) -> float`` (:mod:`kiln.ir.ops.cost`).  Ops
+without one cost one FLOP per result element (reductions and normalizations: per element
+of their first operand); see :func:`node_flops`.
 """
 
 from __future__ import annotations
 
-import math
-import statistics
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from kiln.ir import Graph, Node, TensorType
-from kiln.ir.ops.fused import run_body
 from kiln.passes.fusion import FREE, kernel_count, node_class
 
 CostFn = Callable[[Graph], float]
-
-FLOPS_PER_ELEMENT: dict[str, float] = {
-    # transcendental elementwise ops cost several multiply-adds each
-    "exp": 4,
-    "expm1": 4,
-    "log": 4,
-    "log1p": 4,
-    "log2": 4,
-    "tanh": 6,
-    "sigmoid": 5,
-    "erf": 6,
-    "gelu": 10,
-    "silu": 6,
-    "silu_mul": 7,
-    "pow": 6,
-    "sqrt": 2,
-    "rsqrt": 2,
-    "sin": 6,
-    "cos": 6,
-    "tan": 8,
-    "atan": 8,
-    "atan2": 10,
-    "div": 2,
-    "reciprocal": 2,
-    "remainder": 3,
-    # normalizations: per element of the input
-    "softmax": 5,
-    "log_softmax": 6,
-    "layer_norm": 8,
-    "rms_norm": 5,
-    "batch_norm": 2,
-    "var": 3,
-}
-"""FLOPs per result element (per input element for reductions and normalizations)."""
-
 
 @dataclass(frozen=True)
 class MachineModel:
@@ -129,7 +91,9 @@ def _nbytes(t: TensorType) -> int:
 
 
 def node_flops(node: Node) -> float:
-    """Estimated floating-point operations of one node (``fused``: the sum of its body)."""
+    """Estimated floating-point operations of one node: its op's declared ``cost``, else one
+    per result element (per element of the first operand for reductions and
+    normalizations; views and creation ops are free).  ``fused``: the sum of its body."""
     if node.op_name == "fused":
         return sum(node_flops(n) for n in node.attrs["body"].nodes)
     if node.op.cost is not None:
@@ -140,25 +104,10 @@ def node_flops(node: Node) -> float:
     if cls in FREE:
         return 0.0
     out = sum(_numel(v.type) for v in node.outputs)
-    first_in = _numel(node.inputs[0].type) if node.inputs else 0
-    kind = node.op_name
-    if cls == "matmul":
-        a = node.inputs[0].type
-        k = a.shape[-1] if a.rank and isinstance(a.shape[-1], int) else 1
-        return 2.0 * out * k
-    if cls == "conv":
-        w = node.inputs[1].type
-        per_output = math.prod(d for d in w.shape[1:] if isinstance(d, int))
-        return 2.0 * out * per_output
-    if kind == "scaled_dot_product_attention":
-        q, k, v = (node.inputs[i].type for i in range(3))
-        rows = _numel(q) // max(1, q.shape[-1])  # batch * heads * L
-        keys = k.shape[-2] if isinstance(k.shape[-2], int) else 1
-        return float(rows * keys * (2 * q.shape[-1] + 2 * v.shape[-1] + FLOPS_PER_ELEMENT["softmax"]))
-    if cls == "reduction" or kind in ("max_pool2d", "avg_pool2d", "adaptive_avg_pool2d", "max_pool3d",
-                                         "avg_pool3d", "adaptive_avg_pool3d", "cumsum"):
-        return FLOPS_PER_ELEMENT.get(kind, 1.0) * max(first_in, out)
-    return FLOPS_PER_ELEMENT.get(kind, 1.0) * out
+    if cls == "reduction":
+        first_in = _numel(node.inputs[0].type) if node.inputs else 0
+        return float(max(first_in, out))
+    return float(out)
 
 
 def node_bytes(node: Node) -> int:
@@ -179,7 +128,7 @@ def estimate_runtime(graph: Graph, machine: str | MachineModel | None = None) ->
     return total
 
 
-# ---------------------------------------------------------------------------- measured
+# ---------------------------------------------------------------------------- arguments
 def random_arguments(graph: Graph, seed: int = 0) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """Seeded random inputs and params matching ``graph``'s signature.
 
@@ -206,24 +155,8 @@ def random_arguments(graph: Graph, seed: int = 0) -> tuple[list[np.ndarray], lis
     return [make(v, 1.0) for v in graph.inputs], [make(v, 0.1) for v in graph.params]
 
 
-def measure_runtime(graph: Graph, *, repeats: int = 3, seed: int = 0) -> float:
-    """Median wall time in seconds of running ``graph`` with the registry's numpy references
-    (the semantics of the reference executor) on seeded random arguments."""
-    inputs, params = random_arguments(graph, seed)
-    flat = graph.clone()  # params become trailing inputs, so the ir-level interpreter runs it
-    flat.inputs, flat.params = flat.inputs + flat.params, []
-    arrays = inputs + params
-    run_body(flat, arrays)  # warm-up
-    times = []
-    for _ in range(max(1, repeats)):
-        start = time.perf_counter()
-        run_body(flat, arrays)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 # ---------------------------------------------------------------------------- registry
-COSTS = ("op_count", "kernel_count", "runtime", "measured")
+COSTS = ("op_count", "kernel_count", "runtime")
 """Names accepted by :func:`get_cost`."""
 
 
@@ -236,8 +169,6 @@ def get_cost(name: str, machine: str | MachineModel | None = None) -> CostFn:
     if name == "runtime":
         rates = get_machine(machine)
         return lambda g: estimate_runtime(g, rates)
-    if name == "measured":
-        return measure_runtime
     raise ValueError(f"unknown cost {name!r}; choose one of {', '.join(COSTS)}")
 
 

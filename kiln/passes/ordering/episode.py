@@ -25,14 +25,19 @@ from kiln.passes.ordering.transitions import TransitionCache
 
 @dataclass
 class CostModel:
-    """A named cost, memoized per graph in a :class:`TransitionCache`."""
+    """A named cost, memoized per graph in a :class:`TransitionCache`.
+
+    ``fn`` computes it; by default it is the estimate :func:`~kiln.passes.ordering.cost.get_cost`
+    knows by ``name`` (a measured cost comes from :func:`kiln.tuning.rl.costs.cost_model`).
+    """
 
     name: str = "op_count"
     machine: str | MachineModel | None = None
-    fn: CostFn = field(init=False, repr=False)
+    fn: CostFn | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
-        self.fn = get_cost(self.name, self.machine)
+        if self.fn is None:
+            self.fn = get_cost(self.name, self.machine)
         self.slot = f"cost:{self.name}:{get_machine(self.machine).name}"
 
     def __call__(self, cache: TransitionCache, key: str) -> float:

@@ -202,10 +202,14 @@ class LearnedPipeline:
             cost, then by op count (a runtime-trained policy is indifferent to redundant work
             inside kernels that the estimate does not see); the policy's graph on a full tie.
         verify: verify the result.
+        cost: the cost the episode and the fallback use (default: the policy's, which must
+            be an estimate of :mod:`~kiln.passes.ordering.cost`; a policy trained on measured
+            time takes ``kiln.tuning.rl.costs.cost_model("measured")``).
     """
 
     def __init__(
-        self, policy: PolicyNet | str | Path | None = None, *, fallback: bool = True, verify: bool = True
+        self, policy: PolicyNet | str | Path | None = None, *, fallback: bool = True, verify: bool = True,
+        cost: CostModel | None = None,
     ):
         if policy is None:
             policy = shipped_policy()
@@ -214,11 +218,12 @@ class LearnedPipeline:
         self.policy = policy
         self.fallback = fallback
         self.verify = verify
+        self.cost = cost
         self.last: Choice | None = None
 
     def run(self, graph: Graph) -> PassResult:
         cache = TransitionCache(self.policy.action_set(), verify=self.verify)
-        cost = CostModel(self.policy.cost, self.policy.machine)
+        cost = self.cost if self.cost is not None else CostModel(self.policy.cost, self.policy.machine)
         episode = rollout(self.policy, graph, cache, cost)
         result, chosen, default_cost = episode.graph, "policy", None
         if self.fallback:

@@ -1,21 +1,18 @@
-"""A research API over schedules: the tree's nodes, the action space, random legal
-sequences, and datasets of (program, transformations, verdict, explanation, runtime).
+"""A research API over schedules: the tree's nodes, the action space and random legal
+sequences.
 
 The action space is a list of small :class:`Step` records; :func:`applicable` filters it to
 the steps that apply at a node (and optionally to the legal ones) by trying each on a copy
-of the schedule, so it never disagrees with the primitives themselves.
+of the schedule, so it never disagrees with the primitives themselves.  Timing the
+generated C of a schedule and writing datasets of (program, transformations, verdict,
+explanation, runtime) need the C toolchain: :mod:`kiln.tuning.schedules`.
 """
 
 from __future__ import annotations
 
-import json
 import random
-from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
-
-import numpy as np
 
 from kiln.ir.errors import IllegalTransformError, ScheduleError
 from kiln.ir.loops.program import Program
@@ -161,67 +158,3 @@ def random_sequence(program: Program, length: int, seed: int = 0, **kwargs: Any)
             except ScheduleError:
                 continue
     return schedule
-
-
-def _random_arrays(program: Program, sizes: Mapping[str, int], rng: np.random.Generator) -> dict[str, np.ndarray]:
-    from kiln.ir.loops.interp import buffer_shape
-
-    return {b.name: rng.random(buffer_shape(program, b.name, sizes)).astype(b.dtype.numpy)
-            for b in program.buffers if b.scope == "global"}
-
-
-def measure_runtime(program: Program, params: Mapping[str, int | float], seed: int = 0, repeat: int = 3) -> float:
-    """Best wall time (seconds) of ``program``'s generated C on random data."""
-    from kiln.ir.loops.native import compile_c
-
-    kernel = compile_c(program)
-    sizes = {p.name: int(params[p.name]) for p in program.params if p.dtype.is_integer}
-    arrays = _random_arrays(program, sizes, np.random.default_rng(seed))
-    return kernel.time(params, arrays, repeat=repeat)
-
-
-def export_dataset(programs: Mapping[str, Program] | Iterable[Program], path: str | Path,
-                   sequences_per_program: int = 8, length: int = 3, seed: int = 0,
-                   params: Mapping[str, Mapping[str, int | float]] | None = None, progress: bool = True,
-                   legal_fraction: float = 0.5) -> int:
-    """Write JSON lines ``{program, source, steps, legal, explanation, runtime_s,
-    baseline_runtime_s}`` and return the number of records.
-
-    About ``legal_fraction`` of the sequences are drawn among legal steps only, the others
-    unchecked (so some are illegal).  ``params[name]`` gives the sizes to time program
-    ``name``'s generated C with; runtimes are ``None`` for programs without sizes.
-    """
-    items = list(programs.items()) if isinstance(programs, Mapping) else [(p.name, p) for p in programs]
-    jobs = [(name, prog, k) for name, prog in items for k in range(sequences_per_program)]
-    bar = _progress(jobs, progress)
-    rng = random.Random(seed)
-    count = 0
-    baselines: dict[str, float | None] = {}
-    with open(path, "w") as fh:
-        for name, prog, k in bar:
-            sizes = (params or {}).get(name)
-            if name not in baselines:
-                baselines[name] = measure_runtime(prog, sizes) if sizes else None
-            sub_seed = rng.randrange(2**31)
-            if rng.random() < legal_fraction:
-                schedule = random_legal_sequence(prog, length, seed=sub_seed)
-            else:
-                schedule = random_sequence(prog, length, seed=sub_seed)
-            verdict = schedule.verify()
-            runtime = measure_runtime(schedule.program(), sizes) if sizes else None
-            record = {"program": name, "source": str(prog), "steps": schedule.trace, "legal": verdict.legal,
-                      "explanation": None if verdict.legal else verdict.explanation, "runtime_s": runtime,
-                      "baseline_runtime_s": baselines[name]}
-            fh.write(json.dumps(record) + "\n")
-            count += 1
-    return count
-
-
-def _progress(items: list, enabled: bool):
-    if not enabled:
-        return items
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        return items
-    return tqdm(items, desc="schedules", unit="seq")

@@ -476,9 +476,25 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("KILN_CACHE_DIR") or Path.home() / ".cache" / "kiln")
 
 
+def fingerprint_sources(family: str | None = None) -> list[Path]:
+    """The kiln sources a family's graphs depend on: the torch frontend (capture and ATen
+    rules), the corpus builders and the ``decompose`` pass, and for ``training`` also the
+    autodiff pass and the op declarations.  Every one exists (a moved file is an error here,
+    not a cache that silently stops noticing changes)."""
+    kiln_root = Path(__file__).resolve().parents[2]
+    sources = sorted((kiln_root / "frontends" / "torch").glob("*.py"))
+    sources += [Path(__file__), Path(__file__).with_name("zoo.py"), kiln_root / "passes" / "decompose.py"]
+    if family == "training":
+        sources += [kiln_root / "passes" / "autodiff.py"] + sorted((kiln_root / "ir" / "ops").glob("*.py"))
+    missing = [str(p) for p in sources if not p.is_file()]
+    if missing:
+        raise FileNotFoundError(f"corpus fingerprint: missing source(s) {', '.join(missing)}")
+    return sources
+
+
 def fingerprint(family: str | None = None) -> str:
-    """Hash of what a family's graphs depend on: library versions, kiln's capture sources,
-    the corpus builders, and for ``training`` also the autodiff pass and the op rules."""
+    """Hash of what a family's graphs depend on: library versions and the text of
+    :func:`fingerprint_sources`."""
     import torch
 
     parts = [CORPUS_VERSION, torch.__version__]
@@ -488,14 +504,7 @@ def fingerprint(family: str | None = None) -> str:
         parts.append(transformers.__version__)
     except ImportError:
         parts.append("no-transformers")
-    kiln_root = Path(__file__).resolve().parents[2]
-    sources = sorted((kiln_root / "compiler").glob("aten*.py")) + [kiln_root / "compiler" / "capture.py"]
-    sources += [Path(__file__), Path(__file__).with_name("zoo.py"), Path(__file__).with_name("decompose.py")]
-    if family == "training":
-        sources += [kiln_root / "passes" / "autodiff.py"] + sorted((kiln_root / "ir" / "ops").glob("*.py"))
-    for path in sources:
-        if path.exists():
-            parts.append(path.read_text())
+    parts += [path.read_text() for path in fingerprint_sources(family)]
     return hashlib.blake2b("\0".join(parts).encode(), digest_size=8).hexdigest()
 
 

@@ -17,7 +17,7 @@ every observation and reward.  ``reset(options={"index": i})`` picks corpus grap
 
 ::
 
-    import gymnasium, kiln.passes.ordering
+    import gymnasium, kiln.tuning.rl
     env = gymnasium.make("kiln/PassOrdering-v0", cost="kernel_count", budget=12)
     obs, info = env.reset(seed=0)
     obs, reward, terminated, truncated, info = env.step(env.unwrapped.action_masks().argmax())
@@ -34,11 +34,12 @@ from gymnasium import spaces
 
 from kiln.ir import Graph
 from kiln.passes.ordering.actions import Action, action_set
-from kiln.tuning.rl.corpus import CorpusEntry, random_graph
 from kiln.passes.ordering.cost import MachineModel
-from kiln.passes.ordering.episode import CostModel, Episode
+from kiln.passes.ordering.episode import Episode
 from kiln.passes.ordering.observation import ObservationSpec, default_op_names
 from kiln.passes.ordering.transitions import TransitionCache
+from kiln.tuning.rl.corpus import CorpusEntry, random_graph
+from kiln.tuning.rl.costs import cost_model
 
 
 def default_corpus() -> list[Graph]:
@@ -53,7 +54,8 @@ class PassOrderingEnv(gym.Env):
         corpus: graphs or :class:`~kiln.tuning.rl.corpus.CorpusEntry` objects
             (default: :func:`default_corpus`).
         actions: an action-set name (``"base"``, ``"extended"``) or pipeline texts.
-        cost: ``"op_count"`` (default), ``"kernel_count"``, ``"runtime"`` or ``"measured"``.
+        cost: ``"op_count"`` (default), ``"kernel_count"``, ``"runtime"`` or ``"measured"``
+            (:mod:`kiln.tuning.rl.costs`).
         budget: steps per episode.
         history: recent actions in the observation.
         observe_mask: put the action mask in the observation too.
@@ -88,7 +90,7 @@ class PassOrderingEnv(gym.Env):
         self.names = [e.name for e in entries]  # a CorpusEntry's name, or the graph's
         self.actions: tuple[Action, ...] = cache.actions if cache is not None else action_set(actions)
         self.cache = cache if cache is not None else TransitionCache(self.actions, verify=verify)
-        self.cost_model = CostModel(cost, machine)
+        self.cost_model = cost_model(cost, machine)
         self.budget = budget
         self.observation_spec = ObservationSpec(
             tuple(op_names or default_op_names()), len(self.actions), history, observe_mask

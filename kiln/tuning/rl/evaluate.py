@@ -32,11 +32,13 @@ from typing import Any
 
 import numpy as np
 
-from kiln.tuning.rl import baselines
-from kiln.tuning.rl.corpus import CorpusEntry
 from kiln.passes.ordering.episode import CostModel
 from kiln.passes.ordering.learned import PolicyNet, rollout
 from kiln.passes.ordering.transitions import TransitionCache
+from kiln.tuning.measure import best_time
+from kiln.tuning.rl import baselines
+from kiln.tuning.rl.corpus import CorpusEntry
+from kiln.tuning.rl.costs import cost_model
 
 METHODS = (
     "default",
@@ -179,7 +181,7 @@ def evaluate(
     budget = budget or (policy.budget if policy else 12)
     acts = policy.action_set() if policy is not None else action_set(actions or "base")
     cache = cache if cache is not None else TransitionCache(acts)
-    model = CostModel(cost_name, machine)
+    model = cost_model(cost_name, machine)
     evaluation = Evaluation(
         cost_name,
         meta={
@@ -265,15 +267,14 @@ def env_throughput(
     """Environment steps per second with random valid actions (``stop`` excluded), with a
     cold transition cache (first ``episodes`` episodes) and then a warm one (the same
     number again).  Needs gymnasium."""
-    import time
-
     from kiln.tuning.rl.env import PassOrderingEnv
 
     env = PassOrderingEnv(list(graphs), actions=actions, cost=cost, budget=budget)
     rng = np.random.default_rng(seed)
-    rates = {}
-    for phase in ("cold", "warm"):
-        steps, start = 0, time.perf_counter()
+    steps = 0
+
+    def run_episodes() -> None:
+        nonlocal steps
         for episode in range(episodes):
             env.reset(seed=seed + episode)
             done = False
@@ -283,5 +284,10 @@ def env_throughput(
                 _, _, terminated, truncated, _ = env.step(int(rng.choice(np.flatnonzero(mask))))
                 steps += 1
                 done = terminated or truncated
-        rates[phase] = steps / (time.perf_counter() - start)
+
+    rates = {}
+    for phase in ("cold", "warm"):
+        steps = 0
+        seconds = best_time(run_episodes, repeat=1, warmup=0)
+        rates[phase] = steps / seconds
     return rates

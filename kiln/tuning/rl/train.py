@@ -24,9 +24,10 @@ from typing import Any
 
 import numpy as np
 
-from kiln.tuning.rl.corpus import FAMILIES, HELDOUT_FAMILIES, CorpusEntry, build_corpus
 from kiln.passes.ordering.learned import PolicyNet
 from kiln.passes.ordering.transitions import TransitionCache
+from kiln.tuning.rl.corpus import FAMILIES, HELDOUT_FAMILIES, CorpusEntry, build_corpus
+from kiln.tuning.rl.costs import COSTS
 
 TRAIN_FAMILIES = tuple(f for f in FAMILIES if f not in HELDOUT_FAMILIES)
 
@@ -211,7 +212,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     """Options shared by this module's command line and ``kiln tune-passes``."""
     d = TrainConfig()
     parser.add_argument("--steps", type=int, default=d.steps, help="environment steps (default %(default)s)")
-    parser.add_argument("--cost", default=d.cost, choices=("op_count", "kernel_count", "runtime", "measured"))
+    parser.add_argument("--cost", default=d.cost, choices=COSTS)
     parser.add_argument("--actions", default=d.actions, help="action set: base or extended")
     parser.add_argument("--budget", type=int, default=d.budget, help="steps per episode")
     parser.add_argument("--machine", default=d.machine, help="machine model for --cost runtime: cpu or gpu")

@@ -22,10 +22,10 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from kiln.tuning.rl.corpus import build_corpus
-from kiln.passes.ordering.episode import CostModel
 from kiln.passes.ordering.learned import SHIPPED_POLICY, PolicyNet
 from kiln.passes.ordering.transitions import TransitionCache
+from kiln.tuning.rl.corpus import build_corpus
+from kiln.tuning.rl.costs import cost_model
 
 
 def run(args: argparse.Namespace) -> int:
@@ -55,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
     cache = TransitionCache(policy.action_set())
     fixed = search_fixed_order(
         [e.graph for e in training],
-        CostModel(policy.cost, policy.machine),
+        cost_model(policy.cost, policy.machine),
         cache,
         policy.budget,
         iterations=args.search_iterations,

@@ -8,7 +8,8 @@ Lowering turns those views into index arithmetic (their compute definitions), so
 kernel reads the original memory directly: one pass instead of a copy and a pass.
 
 Only views made by graph view ops (or by the backend's own ``permute`` of a channels-last
-result) are absorbed; what cannot be absorbed is still copied by the graph plan.
+result) are absorbed; what cannot be absorbed is still copied by the partition
+(:mod:`.partition`).
 
 :func:`permute_result` is the converse: a kernel writes its result in another memory order
 (channels-last, for the channels-last convolutions that read it), and its consumers see the
@@ -22,7 +23,7 @@ from typing import TYPE_CHECKING
 from kiln.ir import Graph, Node, Value
 
 if TYPE_CHECKING:
-    from .graphplan import PlanOp, PlanValue
+    from .partition import PlanOp, PlanValue
 
 
 def view_chain(pv: PlanValue) -> tuple[PlanValue, list[Node]] | None:
@@ -64,11 +65,11 @@ def absorb_views(op: PlanOp) -> bool:
         for view in (chain[1] if chain else ()):
             current = body.add_node(view.op, [current], view.attrs).outputs[0]
         logical.append(current)
-    outputs, kind = _replay(node, body, logical, op.template)
+    outputs, template = _replay(node, body, logical, op.template)
     body.set_outputs(outputs)
     scratch = Graph("absorbed")
     operands_in = [scratch.add_input(v.name, v.type) for v in body.inputs]
-    op.node = scratch.add_node("fused", operands_in, {"template": kind, "body": body})
+    op.node = scratch.add_node("fused", operands_in, {"template": template, "body": body})
     op.inputs = [*op.inputs[:2], *sources[1:]] if gemm else list(sources)
     return True
 
@@ -78,7 +79,7 @@ def _body_name(node: Node) -> str:
 
 
 def _replay(node: Node, body: Graph, logical: list[Value], template: str) -> tuple[list[Value], str]:
-    """Add ``node``'s computation to ``body`` on the ``logical`` operands; its outputs and kind."""
+    """Add ``node``'s computation to ``body`` on the ``logical`` operands; its outputs and template."""
     if node.op_name != "fused":
         return list(body.add_node(node.op, logical, node.attrs).outputs), template
     inner: Graph = node.attrs["body"]
@@ -106,11 +107,11 @@ def permute_result(op: PlanOp, dims: list[int]) -> None:
         if pv.slot not in inputs:
             inputs[pv.slot] = body.add_input(f"a{len(inputs)}", value.type)
         logical.append(inputs[pv.slot])
-    outputs, kind = _replay(node, body, logical, op.template)
+    outputs, template = _replay(node, body, logical, op.template)
     body.set_outputs([body.add_node("permute", outputs, {"dims": list(dims)}).outputs[0]])
     scratch = Graph("permuted")
     operands = [scratch.add_input(v.name, v.type) for v in body.inputs]
-    op.node = scratch.add_node("fused", operands, {"template": kind, "body": body})
+    op.node = scratch.add_node("fused", operands, {"template": template, "body": body})
     op.inputs = list(dict.fromkeys(op.inputs))
 
 

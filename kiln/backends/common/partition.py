@@ -1,21 +1,26 @@
-"""A graph as the cpu backend runs it: a list of operations on planned values.
+"""The partition of a graph into what a backend runs: operations on planned values.
 
-:func:`build_graph_plan` turns each node, by its chosen implementation
-(:mod:`kiln.backends.cpu.select`), into operations (:class:`PlanOp`):
+:class:`Partitioner` turns each node, by its chosen implementation (:mod:`.select`), into
+operations (:class:`PlanOp`):
 
-* ``kernel``  -- one native function: a generated loop kernel of a node, a GEMM
-  (:mod:`.gemm`), or a GEMM followed by the generated kernel of its fused epilogue;
-  lowered and compiled only on a compile-cache miss;
-* ``library`` -- a library or reference call on torch tensors;
+* ``kernel``  -- one native function: a generated loop kernel of a node, a GEMM (a
+  backend's native GEMM, :meth:`Partitioner.gemm`), or a GEMM followed by the generated
+  kernel of its fused epilogue; lowered and compiled only on a compile-cache miss;
+* ``library`` -- a library call of the backend's table, or a reference call on the host,
+  on torch tensors;
 * ``view``    -- a zero-copy torch view, run only where a torch call, a copy or a graph
   output needs the view tensor: kernels read views as their root's pointer plus an offset;
 * ``copy``    -- a strided value copied into a contiguous buffer before a loop kernel reads it;
 * ``contiguous`` -- an argument or a library result made contiguous (a no-op when it is)
   before kernels read it or views of it;
-* ``pack``    -- a contiguous copy of a transposed weight that a GEMM reads, kept per
-  workspace and refreshed only when the weight changes;
+* ``pack``    -- a prepared copy of a weight that a GEMM reads (made by a backend's GEMM
+  hook), kept per workspace and refreshed only when the weight changes;
 * ``clone``   -- a graph output that would alias a build-time constant is copied;
 * ``release`` -- tensors returned by library calls are dropped after their last use.
+
+Before anything is planned, the partition asks the backend whether it can run each node
+(:meth:`kiln.backends.base.Backend.supports`); a node it cannot run raises
+:class:`~kiln.backends.base.BackendError` naming the op, its operand types and how to go on.
 
 Every value (:class:`PlanValue`) has a slot, an origin and a ``meta`` tensor with its
 predicted strides and storage offset within its root.  Layouts of views come from applying
@@ -23,28 +28,36 @@ the same torch view functions to ``meta`` tensors, so they are exactly what the 
 sees once roots are contiguous; arguments and library results that kernels read are made
 contiguous at run time, which makes every prediction a kernel relies on hold.
 
+Backends specialize the partition by overriding its hooks: :meth:`Partitioner.library_call`
+(the backend's library table; required), :meth:`~Partitioner.host_call` (a node run on the
+host), :meth:`~Partitioner.gemm` / :meth:`~Partitioner.anchor_gemm` (native GEMM kernels),
+:meth:`~Partitioner.library` (the layout of library results) and
+:meth:`~Partitioner.layouts` (layout decisions once every node is planned).  The cpu
+backend's :class:`kiln.backends.cpu.partition.CpuPartitioner` fills them with its GEMMs,
+weight packing and channels-last convolutions.
+
 :func:`lifetimes` gives each buffer written in place its lifetime in operations (reads of
-its views included) for the memory plan; buffers reachable from a graph output are not
-planned (they are allocated per call: outputs escape).
+its views included) for the memory plan (:mod:`.memory_plan`); buffers reachable from a
+graph output are not planned (they are allocated per call: outputs escape).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
 
+from kiln.backends.base import Backend, unsupported_node
 from kiln.ir import Graph, Node, Value
 from kiln.ir.types import TensorType
 from kiln.runtime.tensors import from_numpy, torch_dtype
 
-from .absorb import absorb_views, permute_result
-from .gemm import KILN_PROVIDER, GemmSpec, gemm_spec
-from .library import VIEWS, LibraryCall, library_call, reference_call
-from .microgemm import packed_shape
-from kiln.backends.common.memory_plan import BufferRequest
+from .absorb import absorb_views
+from .library import VIEWS, LibraryCall
+from .memory_plan import BufferRequest
 from .select import Choice, anchor_of
 
 
@@ -52,7 +65,7 @@ from .select import Choice, anchor_of
 class PlanValue:
     """A tensor of the plan. ``origin``: ``arg``, ``const``, ``buffer`` (written in place by an
     operation), ``returned`` (a new tensor from a library call), ``view`` or ``packed`` (a
-    persistent copy of a weight)."""
+    persistent prepared copy of a weight)."""
 
     slot: int
     type: TensorType
@@ -83,7 +96,10 @@ class PlanValue:
 class PlanOp:
     """One operation (see the module docstring).  For kernels, ``args`` are the values whose
     pointers the native function receives, in order; ``temps`` are buffers it uses only
-    inside (a GEMM result read by the epilogue)."""
+    inside (a GEMM result read by the epilogue).  ``gemm`` is the backend's description of
+    the GEMM a kernel starts with (operands ``inputs[0]`` and ``inputs[1]``; the cpu
+    backend's :class:`~kiln.backends.cpu.gemm.GemmSpec`); the partition only needs to know
+    that there is one."""
 
     step: str
     inputs: list[PlanValue]
@@ -93,7 +109,7 @@ class PlanOp:
     template: str = ""
     call: LibraryCall | None = None
     view: Callable[[torch.Tensor], torch.Tensor] | None = None
-    gemm: GemmSpec | None = None
+    gemm: Any = None
     temps: list[PlanValue] = field(default_factory=list)
 
     @property
@@ -112,7 +128,7 @@ class PlanOp:
 
 @dataclass
 class GraphPlan:
-    """What :func:`build_graph_plan` returns."""
+    """What :meth:`Partitioner.run` returns."""
 
     graph: Graph
     values: list[PlanValue]
@@ -126,10 +142,12 @@ class GraphPlan:
         return [op for op in self.ops if op.step == "kernel"]
 
 
-class _Builder:
-    def __init__(self, graph: Graph, gemm: Callable[[GemmSpec, bool], GemmSpec] | None):
+class Partitioner:
+    """Plans one graph for ``backend`` (see the module docstring); :meth:`run` does it all."""
+
+    def __init__(self, graph: Graph, backend: Backend):
         self.graph = graph
-        self.gemm_provider = gemm
+        self.backend = backend
         self.values: list[PlanValue] = []
         self.ops: list[PlanOp] = []
         self.of: dict[Value, PlanValue] = {}
@@ -138,6 +156,30 @@ class _Builder:
         copy kept across calls (an input's tensor can be new at each call at the address and
         version counter of the last one, so a packed copy of it would go stale)."""
 
+    # ----------------------------------------------------------------- hooks
+    def library_call(self, node: Node, persistent: list[bool]) -> LibraryCall:
+        """The backend's library call of ``node`` (``persistent[i]``: operand ``i`` is a
+        parameter, the same tensor at every call)."""
+        raise NotImplementedError(f"{type(self).__name__} has no library table")
+
+    def host_call(self, node: Node) -> LibraryCall:
+        """``node`` run on the host (implementation ``reference``), for backends that do."""
+        raise unsupported_node(self.backend.name, node)
+
+    def gemm(self, node: Node, ins: list[PlanValue], label: str) -> bool:
+        """Plan a plain ``matmul`` as a native GEMM kernel when the backend has one; whether it did."""
+        return False
+
+    def anchor_gemm(self, anchor: Node, ins: list[PlanValue]) -> tuple[Any, list[PlanValue]] | None:
+        """For a fused ``library+epilogue`` node: the native GEMM of its ``anchor`` (the
+        backend's description and the operands it reads), run in one kernel with the
+        epilogue, or ``None`` (the anchor is a library call)."""
+        return None
+
+    def layouts(self) -> None:
+        """Layout decisions once every node is planned (before views are absorbed)."""
+
+    # ----------------------------------------------------------------- values
     def persistent(self, values: list[PlanValue]) -> list[bool]:
         """Which of ``values`` are the graph's parameters (the same tensors at every call)."""
         return [pv.slot in self.param_slots for pv in values]
@@ -163,15 +205,15 @@ class _Builder:
         elif impl == "library" and node.op_name == "matmul" and self.gemm(node, ins, label):
             pass
         elif impl == "library":
-            self.library(library_call(node, self.persistent(ins)), ins, list(node.outputs), label)
+            self.library(self.library_call(node, self.persistent(ins)), ins, list(node.outputs), label)
         elif impl == "reference":
-            self.library(reference_call(node), ins, list(node.outputs), label)
+            self.library(self.host_call(node), ins, list(node.outputs), label)
         elif impl == "library+epilogue":
             self.library_epilogue(node, ins, label)
         elif impl == "generated":
             outs = [self.new(v.type, v.name, "buffer") for v in node.outputs]
             self.of.update(zip(node.outputs, outs))
-            template = node.attrs["template"] if node.op_name == "fused" else _kernel_template(node)
+            template = node.attrs["template"] if node.op_name == "fused" else kernel_template(node)
             self.ops.append(PlanOp("kernel", ins, outs, label, node=node, template=template))
         else:
             raise ValueError(f"unknown implementation {impl!r} for node {label}")
@@ -188,64 +230,12 @@ class _Builder:
         self.ops.append(PlanOp("view", [source], [pv], label, view=fn))
 
     def library(self, call: LibraryCall, ins: list[PlanValue], outs: list[Value], label: str) -> list[PlanValue]:
-        if call.channels_last and not call.writes_into and len(outs) == 1 and outs[0].type.rank == 4:
-            return [self.channels_last(call, ins, outs[0], label)]
+        """A library call's operation; its result values (buffers it writes into, or new tensors)."""
         origin = "buffer" if call.writes_into else "returned"
         pvs = [self.new(v.type, v.name, origin) for v in outs]
         self.of.update(zip(outs, pvs))
         self.ops.append(PlanOp("library", ins, pvs, f"{label} [{call.label}]", call=call))
         return pvs
-
-    def channels_last(self, call: LibraryCall, ins: list[PlanValue], out: Value, label: str) -> PlanValue:
-        """A library call whose NCHW result is laid out channels-last: the slot holds the
-        contiguous NHWC tensor, and the NCHW value is a ``permute`` view of it (which kernels
-        absorb and torch calls read as it is)."""
-        n, c, h, w = out.type.shape
-        physical_type = out.type.with_shape((n, h, w, c))
-        physical = self.new(physical_type, out.name + ".nhwc", "returned")
-        scratch = Graph("layout")
-        to_nchw = scratch.add_node("permute", [scratch.add_input("nhwc", physical_type)], {"dims": [0, 3, 1, 2]})
-        fn = call.function
-        library = LibraryCall(lambda *tensors: fn(*tensors).permute(0, 2, 3, 1), False, call.label, True)
-        self.ops.append(PlanOp("library", ins, [physical], f"{label} [{call.label}]", call=library))
-        view_fn = VIEWS["permute"](to_nchw)
-        logical = self.new(out.type, out.name, "view", base=physical, meta=view_fn(physical.meta),
-                           view_node=to_nchw)
-        self.ops.append(PlanOp("view", [physical], [logical], f"%{out.name} = NCHW view", view=view_fn))
-        self.of[out] = logical
-        return logical
-
-    def _gemm_spec(self, anchor: Node, a: PlanValue, b: PlanValue) -> tuple[GemmSpec, PlanValue] | None:
-        """The GEMM of ``anchor`` and the value its kernel reads as B (a packed copy of a
-        transposed weight when the tuner chose one), or ``None``."""
-        if self.gemm_provider is None or anchor.op_name != "matmul":
-            return None
-        spec = gemm_spec(a.meta, b.meta, anchor.outputs[0].dtype)
-        if spec is None:
-            return None
-        packable = b.root().slot in self.param_slots and b.type.rank == 2 and not spec.batch  # a weight
-        spec = self.gemm_provider(spec, packable)
-        if not spec.packed_b:
-            return spec, b
-        if spec.provider == KILN_PROVIDER:  # 16-column panels (kiln.backends.cpu.microgemm)
-            packed_type = b.type.with_shape(packed_shape(spec.k, spec.n))
-            label = f"panels of %{b.name}"
-        else:
-            packed_type, label = b.type, f"packed copy of %{b.name}"
-        packed = self.new(packed_type, b.name + ".packed", "packed")
-        self.ops.append(PlanOp("pack", [b], [packed], label))
-        return spec, packed
-
-    def gemm(self, node: Node, ins: list[PlanValue], label: str) -> bool:
-        """A plain matmul as a native GEMM kernel, when its operands allow one."""
-        found = self._gemm_spec(node, ins[0], ins[1])
-        if found is None:
-            return False
-        spec, b = found
-        out = self.new(node.outputs[0].type, node.outputs[0].name, "buffer")
-        self.of[node.outputs[0]] = out
-        self.ops.append(PlanOp("kernel", [ins[0], b], [out], f"{label} [gemm]", template="matmul", gemm=spec))
-        return True
 
     def library_epilogue(self, node: Node, ins: list[PlanValue], label: str) -> None:
         body: Graph = node.attrs["body"]
@@ -254,16 +244,16 @@ class _Builder:
         operand = dict(zip(body.inputs, ins))
         result = anchor.outputs[0]
         anchor_ins = [operand[v] for v in anchor.inputs]
-        found = self._gemm_spec(anchor, *anchor_ins[:2]) if anchor.op_name == "matmul" else None
+        found = self.anchor_gemm(anchor, anchor_ins)
         spec = None
         if found is not None:
-            spec, anchor_ins[1] = found
+            spec, anchor_ins = found
         epilogue, used = split_epilogue(body, anchor)
         escapes = result in body.outputs
         if spec is not None:
             anchor_pv = self.new(result.type, result.name, "buffer")
         else:
-            anchor_pv = self.library(library_call(anchor, self.persistent(anchor_ins)), anchor_ins, [result],
+            anchor_pv = self.library(self.library_call(anchor, self.persistent(anchor_ins)), anchor_ins, [result],
                                      f"%{result.name} = {anchor.op_name}")[0]
         outs: list[PlanValue] = []
         for graph_out, body_out in zip(node.outputs, body.outputs):
@@ -288,45 +278,7 @@ class _Builder:
             self.ops.append(PlanOp("kernel", [anchor_pv] + [operand[v] for v in used], outs, f"{label} epilogue",
                                    node=synthetic, template="elementwise"))
 
-    # ----------------------------------------------------------------- layouts
-    def channels_last_kernels(self) -> None:
-        """Keep convolution chains channels-last: a 4-d kernel result (not a graph output) whose
-        every reader is a channels-last convolution or another kernel is written NHWC
-        (:func:`.absorb.permute_result`); readers see the NCHW value as a view, which kernels
-        absorb and convolutions take as it is.  No layout round trips between layers."""
-        if not any(op.step == "library" and op.call.channels_last for op in self.ops):
-            return
-        escaping = {self.of[v].root().slot for v in self.graph.outputs}
-        readers: dict[int, list[PlanOp]] = {}
-        for op in self.ops:
-            for pv in op.inputs:
-                readers.setdefault(pv.root().slot, []).append(op)
-        for index in range(len(self.ops) - 1, -1, -1):
-            op = self.ops[index]
-            if op.step != "kernel" or op.node is None or op.gemm is not None or len(op.outputs) != 1:
-                continue
-            out = op.outputs[0]
-            if out.type.rank != 4 or out.slot in escaping or not readers.get(out.slot):
-                continue
-            # A GEMM kernel's operand layout is fixed in its spec when it is planned, so its
-            # operands must keep the layout they had then.
-            if not all((r.step == "kernel" and r.gemm is None) or (r.step == "library" and r.call.channels_last)
-                       for r in readers[out.slot]):
-                continue
-            self.ops[index + 1:index + 1] = [self._to_channels_last(op, out)]
-
-    def _to_channels_last(self, op: PlanOp, out: PlanValue) -> PlanOp:
-        n, c, h, w = out.type.shape
-        physical = self.new(out.type.with_shape((n, h, w, c)), out.name + ".nhwc", "buffer")
-        permute_result(op, [0, 2, 3, 1])
-        op.outputs = [physical]
-        scratch = Graph("layout")
-        to_nchw = scratch.add_node("permute", [scratch.add_input("nhwc", physical.type)], {"dims": [0, 3, 1, 2]})
-        view_fn = VIEWS["permute"](to_nchw)
-        out.origin, out.base, out.view_node = "view", physical, to_nchw
-        out.meta = view_fn(physical.meta)
-        return PlanOp("view", [physical], [out], f"%{out.name} = NCHW view", view=view_fn)
-
+    # ----------------------------------------------------------------- whole-plan rewrites
     def contiguous_inputs(self) -> None:
         """Make every kernel's reads valid: strided views a loop kernel reads are absorbed into
         it (:mod:`.absorb`) or, failing that, copied into contiguous buffers; arguments and
@@ -417,13 +369,40 @@ class _Builder:
                 ops.append(PlanOp("release", by_op[i], [], "release"))
         self.ops = ops
 
+    def run(self, choose: Callable[[Node], Choice]) -> GraphPlan:
+        """The operations that run the graph; ``choose`` picks each node's implementation."""
+        graph = self.graph
+        for node in graph.nodes:
+            if not self.backend.supports(node):
+                raise unsupported_node(self.backend.name, node)
+        args = []
+        for v in (*graph.inputs, *graph.params):
+            pv = self.new(v.type, v.name, "arg")
+            self.of[v] = pv
+            args.append(pv)
+        self.param_slots = {self.of[v].slot for v in graph.params}
+        for c in graph.constants:
+            self.of[c] = self.new(c.type, c.name, "const", const=from_numpy(c.data))
+        choices = {}
+        for node in graph.nodes:
+            choice = choose(node)
+            choices[", ".join(f"%{v.name}" for v in node.outputs) + f" = {node.op_name}"] = choice.impl
+            self.node(node, choice)
+        self.layouts()
+        self.contiguous_inputs()
+        outputs = self.outputs()
+        self.prune_views(outputs)
+        self.releases(outputs)
+        return GraphPlan(graph, self.values, args, self.ops, outputs, choices)
 
-def _kernel_template(node: Node) -> str:
-    for trait, kind in (("matmul", "matmul"), ("conv", "conv"), ("reduction", "reduction"),
-                        ("normalization", "reduction"), ("elementwise", "elementwise"),
-                        ("pointwise", "elementwise")):
+
+def kernel_template(node: Node) -> str:
+    """The schedule template of a generated kernel of ``node`` (by its op's traits)."""
+    for trait, template in (("matmul", "matmul"), ("conv", "conv"), ("reduction", "reduction"),
+                            ("normalization", "reduction"), ("elementwise", "elementwise"),
+                            ("pointwise", "elementwise")):
         if node.op.has(trait):
-            return kind
+            return template
     return "opaque"
 
 
@@ -456,33 +435,6 @@ def split_epilogue(body: Graph, anchor: Node) -> tuple[Graph | None, list[Value]
     return epi, used
 
 
-def build_graph_plan(graph: Graph, choose: Callable[[Node], Choice], *,
-                     gemm: Callable[[GemmSpec, bool], GemmSpec] | None = None) -> GraphPlan:
-    """The operations that run ``graph`` (module docstring); ``choose`` picks each node's
-    implementation; ``gemm(spec, packable)`` (which sets a GEMM's BLAS provider and weight
-    packing) allows native GEMM kernels."""
-    b = _Builder(graph, gemm)
-    args = []
-    for v in (*graph.inputs, *graph.params):
-        pv = b.new(v.type, v.name, "arg")
-        b.of[v] = pv
-        args.append(pv)
-    b.param_slots = {b.of[v].slot for v in graph.params}
-    for c in graph.constants:
-        b.of[c] = b.new(c.type, c.name, "const", const=from_numpy(c.data))
-    choices = {}
-    for node in graph.nodes:
-        choice = choose(node)
-        choices[", ".join(f"%{v.name}" for v in node.outputs) + f" = {node.op_name}"] = choice.impl
-        b.node(node, choice)
-    b.channels_last_kernels()
-    b.contiguous_inputs()
-    outputs = b.outputs()
-    b.prune_views(outputs)
-    b.releases(outputs)
-    return GraphPlan(graph, b.values, args, b.ops, outputs, choices)
-
-
 def lifetimes(plan: GraphPlan) -> list[BufferRequest]:
     """Lifetimes of the arena buffers: values written in place, not escaping, from the
     operation that writes them to the last one reading them or a view of them."""
@@ -501,4 +453,4 @@ def lifetimes(plan: GraphPlan) -> list[BufferRequest]:
     return [BufferRequest(slot, plan.values[slot].type.nbytes, first[slot], last[slot]) for slot in first]
 
 
-__all__ = ["GraphPlan", "PlanOp", "PlanValue", "build_graph_plan", "lifetimes", "split_epilogue"]
+__all__ = ["GraphPlan", "Partitioner", "PlanOp", "PlanValue", "kernel_template", "lifetimes", "split_epilogue"]

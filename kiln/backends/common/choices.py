@@ -1,8 +1,8 @@
 """A persisted table of timed choices: measured once, remembered across processes.
 
-Both the implementation selector (:mod:`.select`) and the GEMM tuner (:mod:`.gemm`) keep
-one: a JSON file of ``key -> choice`` written atomically (temp file + ``os.replace``,
-merged with what other processes wrote meanwhile). Entries the ``valid`` predicate
+Both the implementation selector (:mod:`.select`) and the cpu GEMM tuner
+(:mod:`kiln.backends.cpu.gemm`) keep one: a JSON file of ``key -> choice`` written
+atomically (temp file + ``os.replace``, merged with what other processes wrote meanwhile). Entries the ``valid`` predicate
 rejects are ignored on load, so a stale or corrupted file only costs timing again.
 """
 

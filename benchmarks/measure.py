@@ -1,0 +1,165 @@
+"""Measure kiln's cpu backend against PyTorch eager: ``python -m benchmarks.measure``.
+
+Prints, per model, eager and kiln-cpu latency (median of interleaved runs, so machine load
+hits both alike), the speedup, the compile time, the planned arena beside the sum of the
+intermediates, and the per-call overhead of an executable whose kernels do almost nothing.
+Not a test: numbers depend on the machine.  A quicker, narrower tool than ``python -m
+benchmarks`` (two systems, no report files); the graph-level pieces it uses are
+:mod:`kiln.tuning.measure`'s.
+
+    python -m benchmarks.measure                  # test models and GPT-2 small seq 128
+    python -m benchmarks.measure gpt2-small bert-base --runs 20 --threads 1
+    python -m benchmarks.measure gpt2-small --profile   # where the time goes
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import kiln
+from kiln.tuning.measure import best_time, call_overhead_us, kernel_profiling, profile_plan
+
+TESTS = Path(__file__).resolve().parent.parent / "tests"
+"""Where ``tests/models.py`` lives (the ``test-*`` models and ResNet-18)."""
+
+ModelFactory = Callable[[], tuple[torch.nn.Module, tuple, dict]]
+
+
+def _gpt2_small() -> tuple[torch.nn.Module, tuple, dict]:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(use_cache=False)).eval()
+    return model, (torch.randint(0, 50257, (1, 128)),), {}
+
+
+def _bert_base() -> tuple[torch.nn.Module, tuple, dict]:
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(0)
+    model = BertModel(BertConfig()).eval()
+    return model, (torch.randint(0, 30522, (1, 128)),), {}
+
+
+def _test_models() -> Any:
+    if str(TESTS) not in sys.path:
+        sys.path.insert(0, str(TESTS))
+    import models
+
+    return models
+
+
+def _resnet18_224() -> tuple[torch.nn.Module, tuple, dict]:
+    return _test_models().resnet18(1000), (torch.randn(1, 3, 224, 224),), {}
+
+
+def _mlp_batch() -> tuple[torch.nn.Module, tuple, dict]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(784, 512), torch.nn.ReLU(), torch.nn.Linear(512, 512),
+                                torch.nn.GELU(), torch.nn.Linear(512, 10)).eval()
+    return model, (torch.randn(32, 784),), {}
+
+
+def _test_model(name: str) -> ModelFactory:
+    def make() -> tuple[torch.nn.Module, tuple, dict]:
+        builder, inputs = _test_models().MODELS[name]
+        args, kwargs = inputs()
+        return builder(), args, kwargs
+    return make
+
+
+MODELS: dict[str, ModelFactory] = {
+    "gpt2-small": _gpt2_small, "bert-base": _bert_base, "resnet18-224": _resnet18_224, "mlp-784": _mlp_batch,
+    **{f"test-{n}": _test_model(n) for n in ("mlp", "resnet18", "cnn", "gpt2", "bert")},
+}
+
+
+def interleaved(a: Callable[[], Any], b: Callable[[], Any], runs: int) -> tuple[float, float]:
+    """Median seconds of ``a`` and ``b`` called alternately ``runs`` times each, after two
+    warm-up calls of each.  Each call is timed alone with :func:`best_time`; alternating
+    them puts both under the same machine load."""
+    for _ in range(2):
+        a()
+        b()
+    samples = [(best_time(a, repeat=1, warmup=0), best_time(b, repeat=1, warmup=0)) for _ in range(runs)]
+    return statistics.median(s[0] for s in samples), statistics.median(s[1] for s in samples)
+
+
+def measure_model(name: str, runs: int) -> dict[str, Any]:
+    """Eager and kiln-cpu latency (ms) of the model ``name`` of :data:`MODELS`, the speedup,
+    the compile time (s) and the memory plan."""
+    model, args, kwargs = MODELS[name]()
+    start = time.perf_counter()
+    compiled = kiln.compile(model, args, backend="cpu", example_kwargs=kwargs)
+    compile_s = time.perf_counter() - start  # one compile, not a timing loop
+    with torch.no_grad():
+        eager_s, kiln_s = interleaved(lambda: model(*args, **kwargs), lambda: compiled(*args, **kwargs), runs)
+    info = getattr(compiled.executable, "info", {})
+    return {"model": name, "eager_ms": eager_s * 1e3, "kiln_ms": kiln_s * 1e3, "speedup": eager_s / kiln_s,
+            "compile_s": compile_s, "memory": info.get("memory", "")}
+
+
+def profile_model(name: str, repeat: int = 5) -> tuple[float, list[tuple[str, float, int]]]:
+    """:func:`profile_module` of the model ``name`` of :data:`MODELS`."""
+    model, args, kwargs = MODELS[name]()
+    return profile_module(model, args, kwargs, repeat)
+
+
+def profile_module(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, repeat: int = 5
+                   ) -> tuple[float, list[tuple[str, float, int]]]:
+    """Where one call of ``model`` compiled by kiln's cpu backend spends its time: compiled
+    under :func:`~kiln.tuning.measure.kernel_profiling` (each kernel a native call of its
+    own) and timed by :func:`~kiln.tuning.measure.profile_plan` (best of ``repeat`` per
+    call, summed per category).  Returns the total seconds and ``(category, seconds,
+    calls)`` rows, largest first."""
+    kwargs = dict(kwargs or {})
+    with kernel_profiling():
+        compiled = kiln.compile(model, args, backend="cpu", example_kwargs=kwargs)
+    flat = [*compiled._check(compiled._flatten(args, kwargs)), *compiled.params]
+    return profile_plan(compiled.executable.plan, flat, repeat=repeat)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.measure", description=__doc__.splitlines()[0])
+    parser.add_argument("models", nargs="*", metavar="MODEL",
+                        help=f"models (default: the test models and gpt2-small); one of {', '.join(sorted(MODELS))}")
+    parser.add_argument("--runs", type=int, default=30)
+    parser.add_argument("--threads", type=int, default=None, help="torch and kiln threads (default: torch's)")
+    parser.add_argument("--profile", action="store_true", help="print where each model's time goes instead")
+    ns = parser.parse_args(argv)
+    ns.models = ns.models or ["test-mlp", "test-resnet18", "test-cnn", "test-gpt2", "test-bert", "gpt2-small"]
+    unknown = [m for m in ns.models if m not in MODELS]
+    if unknown:
+        parser.error(f"unknown model(s) {', '.join(unknown)}; choose from {', '.join(sorted(MODELS))}")
+    warnings.filterwarnings("ignore")
+    if ns.threads:
+        torch.set_num_threads(ns.threads)
+    if ns.profile:
+        for name in ns.models:
+            total, rows = profile_model(name)
+            print(f"\n{name}: {total * 1e3:.2f} ms in plan calls ({torch.get_num_threads()} threads)")
+            print("| where | ms | share | calls |\n|---|---|---|---|")
+            for category, seconds, calls in rows:
+                print(f"| {category} | {seconds * 1e3:.2f} | {seconds / total:.0%} | {calls} |")
+        return
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print(f"per-call overhead (3 tiny kernels): {call_overhead_us():.1f} us")
+    print("| model | eager ms | kiln-cpu ms | speedup | compile s | memory plan |")
+    print("|---|---|---|---|---|---|")
+    for name in ns.models:
+        r = measure_model(name, ns.runs)
+        print(f"| {r['model']} | {r['eager_ms']:.2f} | {r['kiln_ms']:.2f} | {r['speedup']:.2f}x | "
+              f"{r['compile_s']:.1f} | {r['memory'].replace('memory plan: ', '')} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,71 @@
+"""Library calls on torch tensors: the record a backend's library table produces, and the
+zero-copy torch equivalent of each graph ``view`` op.
+
+A backend's library table (the cpu backend's :data:`kiln.backends.cpu.library.LIBRARY`) is
+keyed by op name and turns a node into a :class:`LibraryCall`; the partition
+(:mod:`.partition`) makes a plan operation of it and the call plan a
+:class:`kiln.runtime.call_plan.TorchStep`.  :data:`VIEWS` holds torch view functions,
+which work on a tensor of any device, so every backend shares them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from kiln.ir import Node
+from kiln.ir.types import normalize_dim
+
+
+@dataclass(frozen=True)
+class LibraryCall:
+    """``function(*inputs, *outputs)`` when ``writes_into``, else ``function(*inputs)``
+    returning the result(s); ``channels_last`` results are NCHW tensors stored NHWC."""
+
+    function: Callable[..., object]
+    writes_into: bool
+    label: str
+    channels_last: bool = False
+    """The (4-d) result comes back in channels-last memory order."""
+
+
+ViewFunction = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _reshape(node: Node) -> ViewFunction:
+    shape = tuple(node.outputs[0].shape)
+    return lambda t: t.reshape(shape)
+
+
+def _permute(node: Node) -> ViewFunction:
+    rank = node.inputs[0].type.rank
+    dims = tuple(normalize_dim(d, rank) for d in node.attrs["dims"])
+    return lambda t: t.permute(dims)
+
+
+def _expand(node: Node) -> ViewFunction:
+    shape = tuple(node.outputs[0].shape)
+    return lambda t: t.expand(shape)
+
+
+def _slice(node: Node) -> ViewFunction:
+    axis = normalize_dim(node.attrs["dim"], node.inputs[0].type.rank)
+    index = (slice(None),) * axis + (slice(node.attrs["start"], node.attrs["end"], node.attrs["step"]),)
+    return lambda t: t[index]
+
+
+def _select(node: Node) -> ViewFunction:
+    dim, index = node.attrs["dim"], node.attrs["index"]
+    return lambda t: t.select(dim, index)
+
+
+VIEWS: dict[str, Callable[[Node], ViewFunction]] = {
+    "reshape": _reshape, "permute": _permute, "expand": _expand, "slice": _slice, "select": _select,
+}
+"""View op -> builder of its zero-copy torch function (``reshape`` copies only when torch
+must, exactly as ``Tensor.reshape`` does)."""
+
+
+__all__ = ["VIEWS", "LibraryCall", "ViewFunction"]

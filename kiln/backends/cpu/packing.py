@@ -1,0 +1,48 @@
+"""Weight packing of the cpu GEMMs: the layouts a :class:`kiln.runtime.call_plan.PackStep`
+writes for this backend.
+
+A ``pack`` operation of the partition (:mod:`.partition`) keeps a prepared copy of a
+weight that a GEMM kernel reads as its B operand; :func:`pack_step` binds it:
+
+* for kiln's own GEMM (:mod:`.microgemm`) the copy is ``K x N`` in 16-column panels,
+  ``(ceil(N/16), K, 16)`` zero-padded (:func:`write_panels`);
+* for the BLAS providers it is a contiguous copy of the transposed weight, which they read
+  untransposed (:func:`copy_into`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kiln.backends.common.partition import PlanOp
+from kiln.runtime.call_plan import PackStep
+
+
+def write_panels(b: torch.Tensor, out: torch.Tensor) -> None:
+    """``b`` (``K x N``) into ``out`` (``(P, K, W)``) as ``W``-column panels, zero-padded."""
+    k, n = b.shape
+    width = out.shape[2]
+    full = n // width
+    if full:
+        out[:full].copy_(b[:, : full * width].reshape(k, full, width).permute(1, 0, 2))
+    rest = n - full * width
+    if rest:
+        out[full, :, :rest].copy_(b[:, full * width:])
+        out[full, :, rest:].zero_()
+
+
+def copy_into(src: torch.Tensor, dst: torch.Tensor) -> None:
+    """``dst.copy_(src)``: a plain copy."""
+    dst.copy_(src)
+
+
+def pack_step(op: PlanOp) -> PackStep:
+    """The runtime step of the ``pack`` operation ``op``: panels when its output's shape is
+    the panel shape, else a plain copy of the weight view it reads."""
+    source, target = op.inputs[0], op.outputs[0]
+    view = (tuple(source.meta.shape), tuple(source.meta.stride()), source.meta.storage_offset())
+    panels = target.type.shape != source.type.shape
+    return PackStep(source.root().slot, view, target.slot, write_panels if panels else copy_into, op.label)
+
+
+__all__ = ["copy_into", "pack_step", "write_panels"]

@@ -1,0 +1,161 @@
+"""The cpu backend's partition hooks: native GEMMs with packed weights, and channels-last
+convolution chains.
+
+:class:`CpuPartitioner` fills the hooks of :class:`kiln.backends.common.partition.Partitioner`:
+
+* library calls come from this backend's table (:mod:`.library`), and nodes with nothing
+  better run with their numpy reference on the host;
+* a ``matmul`` (alone, or as the anchor of a fused epilogue) whose operands allow it
+  becomes a native GEMM kernel (:mod:`.gemm`); when the GEMM tuner reads a weight from a
+  prepared copy, a ``pack`` operation keeps that copy (16-column panels for kiln's own GEMM,
+  :mod:`.microgemm`, else a contiguous copy of the transposed weight);
+* a convolution result that oneDNN returns channels-last keeps that layout: the slot holds
+  the NHWC tensor and the NCHW value is a ``permute`` view of it; a 4-d kernel result whose
+  every reader is such a convolution or another kernel is written NHWC too
+  (:func:`kiln.backends.common.absorb.permute_result`), so convolution chains never convert
+  layouts between layers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from kiln.backends.base import Backend, get_backend
+from kiln.backends.common.absorb import permute_result
+from kiln.backends.common.library import VIEWS, LibraryCall
+from kiln.backends.common.partition import GraphPlan, Partitioner, PlanOp, PlanValue
+from kiln.backends.common.select import Choice
+from kiln.ir import Graph, Node, Value
+
+from .gemm import KILN_PROVIDER, GemmSpec, gemm_spec
+from .library import library_call, reference_call
+from .microgemm import packed_shape
+
+GemmChooser = Callable[[GemmSpec, bool], GemmSpec]
+"""``choose(spec, packable)``: ``spec`` with its provider (and weight packing) set."""
+
+
+class CpuPartitioner(Partitioner):
+    """The partition of the cpu backend (see the module docstring).  ``gemm_provider``
+    (the GEMM tuner's ``choose``) allows native GEMM kernels."""
+
+    def __init__(self, graph: Graph, backend: Backend, gemm: GemmChooser | None = None):
+        super().__init__(graph, backend)
+        self.gemm_provider = gemm
+
+    def library_call(self, node: Node, persistent: list[bool]) -> LibraryCall:
+        return library_call(node, persistent)
+
+    def host_call(self, node: Node) -> LibraryCall:
+        return reference_call(node)
+
+    # ----------------------------------------------------------------- GEMMs
+    def _gemm_spec(self, anchor: Node, a: PlanValue, b: PlanValue) -> tuple[GemmSpec, PlanValue] | None:
+        """The GEMM of ``anchor`` and the value its kernel reads as B (a packed copy of a
+        transposed weight when the tuner chose one), or ``None``."""
+        if self.gemm_provider is None or anchor.op_name != "matmul":
+            return None
+        spec = gemm_spec(a.meta, b.meta, anchor.outputs[0].dtype)
+        if spec is None:
+            return None
+        packable = b.root().slot in self.param_slots and b.type.rank == 2 and not spec.batch  # a weight
+        spec = self.gemm_provider(spec, packable)
+        if not spec.packed_b:
+            return spec, b
+        if spec.provider == KILN_PROVIDER:  # 16-column panels (kiln.backends.cpu.microgemm)
+            packed_type = b.type.with_shape(packed_shape(spec.k, spec.n))
+            label = f"panels of %{b.name}"
+        else:
+            packed_type, label = b.type, f"packed copy of %{b.name}"
+        packed = self.new(packed_type, b.name + ".packed", "packed")
+        self.ops.append(PlanOp("pack", [b], [packed], label))
+        return spec, packed
+
+    def gemm(self, node: Node, ins: list[PlanValue], label: str) -> bool:
+        """A plain matmul as a native GEMM kernel, when its operands allow one."""
+        found = self._gemm_spec(node, ins[0], ins[1])
+        if found is None:
+            return False
+        spec, b = found
+        out = self.new(node.outputs[0].type, node.outputs[0].name, "buffer")
+        self.of[node.outputs[0]] = out
+        self.ops.append(PlanOp("kernel", [ins[0], b], [out], f"{label} [gemm]", template="matmul", gemm=spec))
+        return True
+
+    def anchor_gemm(self, anchor: Node, ins: list[PlanValue]) -> tuple[GemmSpec, list[PlanValue]] | None:
+        found = self._gemm_spec(anchor, *ins[:2]) if anchor.op_name == "matmul" else None
+        if found is None:
+            return None
+        spec, b = found
+        return spec, [ins[0], b, *ins[2:]]
+
+    # ----------------------------------------------------------------- layouts
+    def library(self, call: LibraryCall, ins: list[PlanValue], outs: list[Value], label: str) -> list[PlanValue]:
+        if call.channels_last and not call.writes_into and len(outs) == 1 and outs[0].type.rank == 4:
+            return [self.channels_last(call, ins, outs[0], label)]
+        return super().library(call, ins, outs, label)
+
+    def channels_last(self, call: LibraryCall, ins: list[PlanValue], out: Value, label: str) -> PlanValue:
+        """A library call whose NCHW result is laid out channels-last: the slot holds the
+        contiguous NHWC tensor, and the NCHW value is a ``permute`` view of it (which kernels
+        absorb and torch calls read as it is)."""
+        n, c, h, w = out.type.shape
+        physical = self.new(out.type.with_shape((n, h, w, c)), out.name + ".nhwc", "returned")
+        fn = call.function
+        library = LibraryCall(lambda *tensors: fn(*tensors).permute(0, 2, 3, 1), False, call.label, True)
+        self.ops.append(PlanOp("library", ins, [physical], f"{label} [{call.label}]", call=library))
+        logical = self.new(out.type, out.name, "view", base=physical)
+        self.ops.append(self._nchw_view(physical, logical))
+        self.of[out] = logical
+        return logical
+
+    def _nchw_view(self, physical: PlanValue, logical: PlanValue) -> PlanOp:
+        """Make ``logical`` the NCHW ``permute`` view of the NHWC value ``physical``."""
+        scratch = Graph("layout")
+        to_nchw = scratch.add_node("permute", [scratch.add_input("nhwc", physical.type)], {"dims": [0, 3, 1, 2]})
+        view_fn = VIEWS["permute"](to_nchw)
+        logical.origin, logical.base, logical.view_node = "view", physical, to_nchw
+        logical.meta = view_fn(physical.meta)
+        return PlanOp("view", [physical], [logical], f"%{logical.name} = NCHW view", view=view_fn)
+
+    def layouts(self) -> None:
+        """Keep convolution chains channels-last: a 4-d kernel result (not a graph output) whose
+        every reader is a channels-last convolution or another kernel is written NHWC
+        (:func:`~kiln.backends.common.absorb.permute_result`); readers see the NCHW value as
+        a view, which kernels absorb and convolutions take as it is.  No layout round trips
+        between layers."""
+        if not any(op.step == "library" and op.call.channels_last for op in self.ops):
+            return
+        escaping = {self.of[v].root().slot for v in self.graph.outputs}
+        readers: dict[int, list[PlanOp]] = {}
+        for op in self.ops:
+            for pv in op.inputs:
+                readers.setdefault(pv.root().slot, []).append(op)
+        for index in range(len(self.ops) - 1, -1, -1):
+            op = self.ops[index]
+            if op.step != "kernel" or op.node is None or op.gemm is not None or len(op.outputs) != 1:
+                continue
+            out = op.outputs[0]
+            if out.type.rank != 4 or out.slot in escaping or not readers.get(out.slot):
+                continue
+            # A GEMM kernel's operand layout is fixed in its spec when it is planned, so its
+            # operands must keep the layout they had then.
+            if not all((r.step == "kernel" and r.gemm is None) or (r.step == "library" and r.call.channels_last)
+                       for r in readers[out.slot]):
+                continue
+            n, c, h, w = out.type.shape
+            physical = self.new(out.type.with_shape((n, h, w, c)), out.name + ".nhwc", "buffer")
+            permute_result(op, [0, 2, 3, 1])
+            op.outputs = [physical]
+            self.ops[index + 1:index + 1] = [self._nchw_view(physical, out)]
+
+
+def build_graph_plan(graph: Graph, choose: Callable[[Node], Choice], *, gemm: GemmChooser | None = None,
+                     backend: Backend | None = None) -> GraphPlan:
+    """The cpu backend's partition of ``graph`` (:meth:`Partitioner.run`); ``choose`` picks
+    each node's implementation; ``gemm(spec, packable)`` (which sets a GEMM's BLAS provider
+    and weight packing) allows native GEMM kernels."""
+    return CpuPartitioner(graph, backend or get_backend("cpu"), gemm).run(choose)
+
+
+__all__ = ["CpuPartitioner", "GemmChooser", "build_graph_plan"]
