@@ -29,8 +29,8 @@ def layer_of(module: str) -> str:
     assert parts[0] == "kiln", module
     if module in ("kiln.compiler.cli", "kiln.__main__"):
         return "cli"  # the command line dispatches to the tools (``kiln zoo``) too
-    if len(parts) == 1 or parts[1] in ("loops",):
-        return "compiler"  # kiln/__init__.py (the public API) and kiln/loops.py
+    if len(parts) == 1 or parts[1] in ("loops", "mapping"):
+        return "compiler"  # kiln/__init__.py (the public API), kiln/loops.py and kiln/mapping.py
     top = parts[1]
     if top == "zoo":
         return "tools"
@@ -135,4 +135,5 @@ def test_the_checker_sees_every_form_of_import(tmp_path, source, expected):
 def test_the_checker_flags_an_upward_import():
     assert LAYERS.index(layer_of("kiln.compiler.api")) > LAYERS.index(layer_of("kiln.ir.graph"))
     assert layer_of("kiln.loops") == "compiler" and layer_of("kiln") == "compiler"
+    assert layer_of("kiln.mapping") == "compiler"
     assert layer_of("kiln.zoo.run") == "tools" and layer_of("kiln.compiler.cli") == "cli"

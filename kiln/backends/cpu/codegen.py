@@ -44,7 +44,8 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from kiln.ir.loops.cgen import C_TYPES, CStylePrinter
-from kiln.ir.loops.expr import Const, Expr, Load, Var, free_vars, map_expr, walk
+from kiln.ir.loops.expr import Const, Expr, Load, free_vars, walk
+from kiln.ir.loops.rename import generated_names
 from kiln.ir.loops.program import Buffer, If, Loop, Node, Param, Program, Reduce, Store
 from kiln.ir.types import DType
 
@@ -88,44 +89,9 @@ class KernelSource:
 # ----------------------------------------------------------------------------- renaming
 def sanitize_program(program: Program) -> tuple[Program, dict[str, str]]:
     """``program`` with buffers renamed ``b0, b1, ...`` and parameters and iterators
-    ``v0, v1, ...``; returns it and the buffer renaming (old -> new)."""
-    buffers = {b.name: f"b{i}" for i, b in enumerate(program.buffers)}
-    names: dict[str, str] = {}
-    for p in program.params:
-        names.setdefault(p.name, f"v{len(names)}")
-    for loop in program.loops():
-        names.setdefault(loop.iterator, f"v{len(names)}")
-
-    def expr(e: Expr) -> Expr:
-        def one(x: Expr) -> Expr | None:
-            if isinstance(x, Var):
-                return Var(names.get(x.name, x.name))
-            if isinstance(x, Load):
-                return Load(buffers[x.buffer], x.indices)
-            return None
-        return map_expr(e, one)
-
-    def nodes(body: tuple[Node, ...]) -> tuple[Node, ...]:
-        out: list[Node] = []
-        for n in body:
-            if isinstance(n, Loop):
-                out.append(replace(n, iterator=names[n.iterator], lower=expr(n.lower), upper=expr(n.upper),
-                                   body=nodes(n.body)))
-            elif isinstance(n, If):
-                out.append(replace(n, cond=expr(n.cond), then=nodes(n.then), orelse=nodes(n.orelse)))
-            else:
-                out.append(replace(n, buffer=buffers[n.buffer], indices=tuple(expr(i) for i in n.indices),
-                                   value=expr(n.value)))
-        return tuple(out)
-
-    renamed = Program(
-        name="kernel",
-        params=tuple(Param(names[p.name], p.dtype) for p in program.params),
-        buffers=tuple(Buffer(buffers[b.name], tuple(expr(d) for d in b.shape), b.dtype, b.scope)
-                      for b in program.buffers),
-        body=nodes(program.body),
-    )
-    return renamed, buffers
+    ``v0, v1, ...``; returns it and the buffer renaming (old -> new)
+    (:func:`kiln.ir.loops.rename.generated_names`)."""
+    return generated_names(program)
 
 
 # ----------------------------------------------------------------------------- analysis
@@ -443,13 +409,14 @@ def translation_unit(kernels: Sequence[KernelSource], declarations: str = "") ->
     if any(k.gemm is not None for k in kernels):
         parts.append(blas_prelude())
     parts += [kernel_function(k) for k in kernels]
-    parts.append(_runner(kernels))
+    parts.append(table_runner([k.symbol for k in kernels]))
     return "\n".join(parts)
 
 
-def _runner(kernels: Sequence[KernelSource]) -> str:
-    """``kiln_run(calls, n, ptrs)``: run ``n`` kernels of the table in one foreign call."""
-    table = ", ".join(k.symbol for k in kernels) or "0"
+def table_runner(symbols: Sequence[str]) -> str:
+    """``kiln_run(calls, n, ptrs)``: run ``n`` kernels of the table ``symbols`` in one foreign
+    call (every unit of a backend launched by :class:`kiln.runtime.call_plan.HostLauncher`)."""
+    table = ", ".join(symbols) or "0"
     return ("typedef void (*kiln_kernel_fn)(void *const *);\n"
             f"static const kiln_kernel_fn kiln_table[] = {{{table}}};\n"
             "void kiln_run(const long *calls, long n, void *const *ptrs) {\n"
@@ -467,5 +434,6 @@ __all__ = [
     "nest_work",
     "reduction_cells",
     "sanitize_program",
+    "table_runner",
     "translation_unit",
 ]

@@ -1,6 +1,10 @@
 """The loop-level IR: buffers, a tree of loops and statements, and what reads and runs it.
 
-* :mod:`.expr` -- expressions; :mod:`.program` -- loops, statements, programs;
+* :mod:`.expr` -- expressions; :mod:`.program` -- loops, statements, programs, and the
+  constructs of GPU kernels (task loops, barriers, shuffles, vector copies);
+* :mod:`.mapping` -- task mappings (``spatial``, ``repeat``, composed with ``*``);
+  :mod:`.tasks` -- their lowering to index arithmetic;
+* :mod:`.gpu` -- the kernel form (launch, verifier); :mod:`.emulate` -- kernels on the host;
 * :mod:`.text` -- the canonical text form (``format_program`` / ``parse_program``);
 * :mod:`.interp` -- a numpy interpreter (``run``);
 * :mod:`.cfront` -- ``from_c``: a PolyBench-style C subset;
@@ -17,13 +21,23 @@ from .expr import (
     INDEX, MATH_FUNCS, Affine, Binary, Call, Cast, Const, Expr, Load, Select, Unary, Var,
     affine_expr, affine_form, as_expr, dtype_of, free_vars, loads_of, map_expr, substitute, walk,
 )
+from .tasks import lower_mappings
+from .gpu import (
+    Launch, block_loops, kernel_body, kernel_launch, linear_thread, shared_bytes, thread_loops, verify_kernel,
+)
+from .emulate import emulate
+from .mapping import TaskIteration, TaskMapping, auto_map, repeat, spatial
 from .program import (
-    ANNOTATIONS, COMBINERS, SCOPES, SERIAL, Annotation, Buffer, If, Loop, Node, Param, Program, Reduce,
-    Statement, Store, verify_program,
+    ANNOTATIONS, COMBINERS, SCOPES, SERIAL, SHUFFLE_MODES, WARP_SIZE, Action, Annotation, Barrier, Buffer,
+    CopyCommit, CopyWait, If, Loop, Node, map_nodes, Param, Program, Reduce, Shuffle, Statement, Store, Sync, TaskLoop,
+    VectorCopy, verify_program,
 )
 from .text import format_expr, format_program, parse_expr, parse_program
 
 __all__ = [
+    "Action", "Barrier", "CopyCommit", "CopyWait", "SHUFFLE_MODES", "Shuffle", "Sync", "TaskIteration",
+    "TaskLoop", "TaskMapping", "VectorCopy", "WARP_SIZE", "Launch", "auto_map", "block_loops", "emulate", "kernel_body",
+    "kernel_launch", "linear_thread", "shared_bytes", "thread_loops", "verify_kernel", "lower_mappings", "map_nodes", "repeat", "spatial",
     "ANNOTATIONS", "Affine", "Annotation", "Binary", "Buffer", "COMBINERS", "Call", "Cast", "Const", "Expr",
     "INDEX", "If", "Load", "Loop", "MATH_FUNCS", "Node", "Param", "Program", "Reduce", "SCOPES", "SERIAL",
     "Select", "Statement", "Store", "Unary", "Var", "affine_expr", "affine_form", "as_expr", "dtype_of",

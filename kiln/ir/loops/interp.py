@@ -11,6 +11,13 @@ result as the sequential loop:
   of it is affine in the iterator with a non-zero coefficient (so iterations never share a
   cell), or the buffer is the target of a single reduction whose indices do not involve the
   iterator, which is then folded in program order with ``ufunc.accumulate``.
+
+Kernel constructs: task loops are lowered first (:func:`~kiln.ir.loops.tasks.lower_mappings`),
+a vector copy runs lane by lane, ``commit_copies``/``wait_copies`` do nothing (copies complete
+at once), and ``shared``/``register`` buffers are allocated like ``local`` ones.  Barriers and
+warp shuffles need every thread of a block at once, which a serial loop nest is not: a
+program holding them is refused with a :class:`ValueError` that says to run it through
+``kiln.ir.loops.emulate.emulate(kernel)`` first.
 """
 
 from __future__ import annotations
@@ -25,7 +32,8 @@ from .expr import (
     INDEX, Binary, Call, Cast, Const, Expr, Load, Select, Unary, Var, affine_form, dtype_of, free_vars,
     loads_of, walk,
 )
-from .program import If, Loop, Node, Program, Reduce, Store
+from .program import Barrier, CopyCommit, CopyWait, If, Loop, Node, Program, Reduce, Shuffle, Store, TaskLoop, VectorCopy
+from .tasks import lower_mappings
 
 _NUMPY_FN = {
     "exp": "np.exp", "exp2": "np.exp2", "log": "np.log", "log2": "np.log2", "log10": "np.log10",
@@ -98,6 +106,13 @@ class _PyGen:
             if n.orelse:
                 self.emit(depth, "else:")
                 self.nodes(n.orelse, depth + 1)
+        elif isinstance(n, VectorCopy):
+            for dst, src in n.lanes():
+                self.emit(depth, f"b_{dst.buffer}[{self.index(dst, set())}] = {self.expr(src, set())}")
+        elif isinstance(n, (CopyCommit, CopyWait)):
+            self.emit(depth, "pass")
+        elif isinstance(n, (Barrier, Shuffle, TaskLoop)):  # refused by compile_python
+            raise AssertionError(f"{type(n).__name__} reached the interpreter's code generator")
         else:
             self.statement(n, depth, set())
 
@@ -276,7 +291,7 @@ def compile_python(program: Program):
     if fn is not None:
         _CACHE.move_to_end(key)
         return fn
-    gen = _PyGen(program)
+    gen = _PyGen(runnable(program))
     src = gen.source()
     namespace: dict[str, object] = {"np": np, "_cdiv": _cdiv, "_crem": _crem, "_erf": _erf,
                                     "_accumulate": _accumulate, **gen.consts}
@@ -287,6 +302,21 @@ def compile_python(program: Program):
     if len(_CACHE) > _CACHE_SIZE:
         _CACHE.popitem(last=False)
     return fn
+
+
+def runnable(program: Program) -> Program:
+    """``program`` with its task loops lowered; ``ValueError`` if it holds a barrier or a
+    warp shuffle (they need the threads of a block together: emulate the kernel first)."""
+    for n, _ in program.walk():
+        if isinstance(n, (Barrier, Shuffle)):
+            what = "a barrier" if isinstance(n, Barrier) else f"the warp shuffle {n.name}"
+            raise ValueError(f"program '{program.name}' holds {what}, which the threads of a block run "
+                             f"together; the serial interpreter cannot run it: run "
+                             f"kiln.ir.loops.emulate.emulate(kernel) first and interpret the program it "
+                             f"returns")
+    if any(isinstance(n, TaskLoop) for n, _ in program.walk()):
+        return lower_mappings(program)
+    return program
 
 
 def buffer_shape(program: Program, name: str, params: Mapping[str, int]) -> tuple[int, ...]:
@@ -306,8 +336,10 @@ def eval_index(expr: Expr, env: Mapping[str, int]) -> int:
 def run(program: Program, params: Mapping[str, int | float], arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
     """Execute ``program`` in place on ``arrays`` (one per global buffer, exact shape and dtype).
 
-    Local and shared buffers are allocated (zero-filled) by the interpreter; they are
-    returned in a dict so tests can inspect them.
+    Local, shared and register buffers are allocated (zero-filled) by the interpreter, one
+    copy for the whole run; they are returned in a dict so tests can inspect them.  Task
+    loops run as :func:`~kiln.ir.loops.tasks.lower_mappings` lowers them; barriers and
+    shuffles are refused (:func:`runnable`).
     """
     missing = [p.name for p in program.params if p.name not in params]
     if missing:

@@ -21,15 +21,16 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 
 from ..errors import VerificationError
 from ..types import DType
 from .expr import INDEX, Expr, Load, Var, as_expr, dtype_of, free_vars, walk
+from .mapping import TaskMapping
 
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-SCOPES = ("global", "local", "shared")
+SCOPES = ("global", "local", "shared", "register")
 ANNOTATIONS = ("serial", "parallel", "vectorized", "unrolled", "mapped")
 COMBINERS = ("+", "*", "max", "min")
 
@@ -146,7 +147,115 @@ def _int_limits(dtype: DType) -> tuple[int, int]:
     return (int(info.min), int(info.max))
 
 
+SHUFFLE_MODES = ("xor", "down", "up", "idx")
+BARRIER_SCOPES = ("block", "warp")
+WARP_SIZE = 32
+
+
+@dataclass(frozen=True)
+class Shuffle:
+    """``name: buffer[indices] = shfl_<mode>(value, offset, width)``: a warp shuffle.
+
+    Every lane of a group of ``width`` lanes (a power of two, at most 32) evaluates
+    ``value``; lane ``l`` receives the value of lane ``l ^ offset`` (``xor``), ``l + offset``
+    (``down``), ``l - offset`` (``up``) or ``offset % width`` (``idx``, the lane within the
+    group), or its own value when ``down``/``up`` leave the group.  As PTX ``shfl.sync``
+    defines it, offsets count modulo 32 and ``xor`` may read an earlier group but not a later
+    one (it keeps its own value then).  The value is converted to the target buffer's dtype
+    before the exchange.  A collective: every thread of the
+    block reaches it together (the verifier of kernels checks the control flow is uniform).
+    """
+
+    buffer: str
+    indices: tuple[Expr, ...]
+    value: Expr
+    mode: str
+    offset: Expr
+    width: int = WARP_SIZE
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "indices", tuple(as_expr(i) for i in self.indices))
+        object.__setattr__(self, "value", as_expr(self.value))
+        object.__setattr__(self, "offset", as_expr(self.offset))
+        if self.mode not in SHUFFLE_MODES:
+            raise ValueError(f"unknown shuffle mode {self.mode!r}; known: {', '.join(SHUFFLE_MODES)}")
+        if not isinstance(self.width, int) or self.width < 1 or self.width > WARP_SIZE or self.width & (self.width - 1):
+            raise ValueError(f"shuffle width must be a power of two in [1, {WARP_SIZE}], got {self.width!r}")
+
+    @property
+    def target(self) -> Load:
+        return Load(self.buffer, self.indices)
+
+
+@dataclass(frozen=True)
+class VectorCopy:
+    """``name: dst[d..., j] = vec<width>(src[s..., k])``: copies ``width`` consecutive cells
+    of the last dimension, ``src[s..., k + v]`` to ``dst[d..., j + v]`` for ``v < width``, as
+    one vector access.  ``asynchronous`` (printed ``async_vec``): a global -> shared copy that
+    completes at a later :class:`CopyWait` (``cp.async``).  The first index of each last
+    dimension must be a multiple of ``width`` for the access to be aligned (the code that
+    builds the copy guarantees it)."""
+
+    dst: str
+    dst_indices: tuple[Expr, ...]
+    src: str
+    src_indices: tuple[Expr, ...]
+    width: int
+    asynchronous: bool = False
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dst_indices", tuple(as_expr(i) for i in self.dst_indices))
+        object.__setattr__(self, "src_indices", tuple(as_expr(i) for i in self.src_indices))
+        if self.width not in (1, 2, 4, 8, 16):
+            raise ValueError(f"vector width must be 1, 2, 4, 8 or 16, got {self.width!r}")
+
+    def lanes(self) -> list[tuple[Load, Load]]:
+        """``(dst cell, src cell)`` of each lane, as loads."""
+        return [(Load(self.dst, _bump(self.dst_indices, v)), Load(self.src, _bump(self.src_indices, v)))
+                for v in range(self.width)]
+
+
+def _bump(indices: tuple[Expr, ...], v: int) -> tuple[Expr, ...]:
+    return indices if v == 0 else (*indices[:-1], indices[-1] + v)
+
+
+@dataclass(frozen=True)
+class Barrier:
+    """``barrier`` (``__syncthreads()``) or ``barrier warp`` (``__syncwarp()``): no thread
+    of the block (warp) passes it before all have reached it, and memory written before it
+    is visible after it."""
+
+    scope: str = "block"
+
+    def __post_init__(self) -> None:
+        if self.scope not in BARRIER_SCOPES:
+            raise ValueError(f"unknown barrier scope {self.scope!r}; known: {', '.join(BARRIER_SCOPES)}")
+
+
+@dataclass(frozen=True)
+class CopyCommit:
+    """``commit_copies``: closes the group of asynchronous copies issued since the last commit."""
+
+
+@dataclass(frozen=True)
+class CopyWait:
+    """``wait_copies n``: waits until at most ``pending`` committed groups are still in flight
+    (a barrier is still needed before other threads read the copied cells)."""
+
+    pending: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.pending, int) or self.pending < 0:
+            raise ValueError(f"wait_copies needs a count >= 0, got {self.pending!r}")
+
+
 Statement = Store | Reduce
+"""Statements of the polyhedral model: what schedules reorder."""
+Action = Shuffle | VectorCopy
+"""Statements of kernels that move data besides stores and reductions."""
+Sync = Barrier | CopyCommit | CopyWait
 
 
 @dataclass(frozen=True)
@@ -183,7 +292,35 @@ class If:
         object.__setattr__(self, "orelse", tuple(self.orelse))
 
 
-Node = Loop | If | Store | Reduce
+@dataclass(frozen=True)
+class TaskLoop:
+    """``for (i, j) in <mapping> on <worker> { body }``: runs ``body`` for each task
+    ``(i, j)`` that :class:`~kiln.ir.loops.mapping.TaskMapping` ``mapping`` gives worker
+    ``worker`` (an integer expression), in the mapping's order; a worker outside
+    ``[0, mapping.num_workers)`` does nothing.  :func:`kiln.ir.loops.lower_mappings` turns it into
+    index arithmetic and serial loops."""
+
+    mapping: TaskMapping
+    worker: Expr
+    iterators: tuple[str, ...]
+    body: tuple[Node, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "worker", as_expr(self.worker))
+        object.__setattr__(self, "iterators", tuple(self.iterators))
+        object.__setattr__(self, "body", tuple(self.body))
+        if not isinstance(self.mapping, TaskMapping):
+            raise TypeError(f"a task loop needs a TaskMapping, got {type(self.mapping).__name__}")
+        if len(self.iterators) != self.mapping.rank:
+            raise ValueError(f"task loop over {self.mapping} (rank {self.mapping.rank}) names "
+                             f"{len(self.iterators)} iterator(s)")
+        if len(set(self.iterators)) != len(self.iterators):
+            raise ValueError(f"task loop iterators {list(self.iterators)} repeat a name")
+
+
+Node = Loop | If | Store | Reduce | TaskLoop | Shuffle | VectorCopy | Barrier | CopyCommit | CopyWait
+NAMED = (Store, Reduce, Shuffle, VectorCopy)
+"""Node types that carry a statement name."""
 
 
 @dataclass(frozen=True)
@@ -249,9 +386,43 @@ def _walk(nodes: tuple[Node, ...], loops: tuple[Loop, ...]) -> Iterator[tuple[No
         yield n, loops
         if isinstance(n, Loop):
             yield from _walk(n.body, loops + (n,))
+        elif isinstance(n, TaskLoop):
+            yield from _walk(n.body, loops)
         elif isinstance(n, If):
             yield from _walk(n.then, loops)
             yield from _walk(n.orelse, loops)
+
+
+def map_nodes(nodes: tuple[Node, ...], fn: Callable[[Expr], Expr]) -> tuple[Node, ...]:
+    """``nodes`` with ``fn`` applied to every expression they hold -- bounds, conditions,
+    workers, values and each access as a whole :class:`~.expr.Load` (``fn`` may rename its
+    buffer); loops, task loops and ifs are rebuilt around their mapped bodies."""
+    def access(buffer: str, indices: tuple[Expr, ...]) -> tuple[str, tuple[Expr, ...]]:
+        out = fn(Load(buffer, indices))
+        if not isinstance(out, Load):
+            raise TypeError(f"map_nodes: an access to '{buffer}' must map to a load, got {out}")
+        return out.buffer, out.indices
+
+    out: list[Node] = []
+    for n in nodes:
+        if isinstance(n, Loop):
+            n = replace(n, lower=fn(n.lower), upper=fn(n.upper), body=map_nodes(n.body, fn))
+        elif isinstance(n, If):
+            n = replace(n, cond=fn(n.cond), then=map_nodes(n.then, fn), orelse=map_nodes(n.orelse, fn))
+        elif isinstance(n, TaskLoop):
+            n = replace(n, worker=fn(n.worker), body=map_nodes(n.body, fn))
+        elif isinstance(n, (Store, Reduce)):
+            buffer, indices = access(n.buffer, n.indices)
+            n = replace(n, buffer=buffer, indices=indices, value=fn(n.value))
+        elif isinstance(n, Shuffle):
+            buffer, indices = access(n.buffer, n.indices)
+            n = replace(n, buffer=buffer, indices=indices, value=fn(n.value), offset=fn(n.offset))
+        elif isinstance(n, VectorCopy):
+            dst, dst_indices = access(n.dst, n.dst_indices)
+            src, src_indices = access(n.src, n.src_indices)
+            n = replace(n, dst=dst, dst_indices=dst_indices, src=src, src_indices=src_indices)
+        out.append(n)
+    return tuple(out)
 
 
 # ----------------------------------------------------------------------------- naming
@@ -259,7 +430,7 @@ def _assign_names(body: tuple[Node, ...]) -> tuple[Node, ...]:
     taken_loops: set[str] = set()
     taken_stmts: set[str] = set()
     for n, _ in _walk(body, ()):
-        names = taken_loops if isinstance(n, Loop) else taken_stmts if isinstance(n, (Store, Reduce)) else None
+        names = taken_loops if isinstance(n, Loop) else taken_stmts if isinstance(n, NAMED) else None
         if names is None or not n.name:
             continue
         if n.name in names:
@@ -292,6 +463,10 @@ def _assign_names(body: tuple[Node, ...]) -> tuple[Node, ...]:
                 n = replace(n, name=name, body=visit(n.body))
             elif isinstance(n, If):
                 n = replace(n, then=visit(n.then), orelse=visit(n.orelse))
+            elif isinstance(n, TaskLoop):
+                n = replace(n, body=visit(n.body))
+            elif not isinstance(n, NAMED):
+                pass
             elif not n.name:
                 n = replace(n, name=stmt_name())
             out.append(n)
@@ -343,6 +518,33 @@ def _verify_nodes(nodes, where, params, buffers, var_dtypes, buf_dtypes, scope: 
             _verify_expr(n.cond, f"{where}: if condition", params, buffers, scope, var_dtypes, buf_dtypes)
             _verify_nodes(n.then, where, params, buffers, var_dtypes, buf_dtypes, scope)
             _verify_nodes(n.orelse, where, params, buffers, var_dtypes, buf_dtypes, scope)
+        elif isinstance(n, TaskLoop):
+            _verify_expr(n.worker, f"{where}: worker of task loop over {n.mapping}", params, buffers, scope,
+                         var_dtypes, buf_dtypes, integer=True)
+            for it in n.iterators:
+                if it in params or it in buffers or it in scope:
+                    raise VerificationError(f"{where}: task loop over {n.mapping} reuses the name '{it}' "
+                                            f"of a parameter, buffer or enclosing iterator")
+            inner = dict(var_dtypes)
+            inner.update({it: INDEX for it in n.iterators})
+            _verify_nodes(n.body, where, params, buffers, inner, buf_dtypes, scope + n.iterators)
+        elif isinstance(n, (Barrier, CopyCommit, CopyWait)):
+            continue
+        elif isinstance(n, Shuffle):
+            what = f"{where}: shuffle {n.name}"
+            _verify_expr(n.target, what, params, buffers, scope, var_dtypes, buf_dtypes)
+            _verify_expr(n.value, what, params, buffers, scope, var_dtypes, buf_dtypes)
+            _verify_expr(n.offset, what, params, buffers, scope, var_dtypes, buf_dtypes, integer=True)
+        elif isinstance(n, VectorCopy):
+            what = f"{where}: vector copy {n.name}"
+            for buf, idx in ((n.dst, n.dst_indices), (n.src, n.src_indices)):
+                _verify_expr(Load(buf, idx), what, params, buffers, scope, var_dtypes, buf_dtypes)
+            if buffers[n.dst].dtype != buffers[n.src].dtype:
+                raise VerificationError(f"{what}: copies {buffers[n.src].dtype.short} '{n.src}' into "
+                                        f"{buffers[n.dst].dtype.short} '{n.dst}'; a vector copy keeps the dtype")
+            if n.asynchronous and (buffers[n.src].scope != "global" or buffers[n.dst].scope != "shared"):
+                raise VerificationError(f"{what}: an asynchronous copy goes from global to shared memory, "
+                                        f"not from {buffers[n.src].scope} to {buffers[n.dst].scope}")
         else:
             what = f"{where}: statement {n.name}"
             _verify_expr(n.target, what, params, buffers, scope, var_dtypes, buf_dtypes)

@@ -27,6 +27,11 @@
 * ``floordiv``, ``floormod``, ``min``, ``max``, ``select``, casts (``f32(x)``) and math
   functions use call syntax; ``/`` and ``%`` are C division and remainder.
 
+Kernels (``docs/gpu.md``) add: task loops ``for (i, j) in spatial(4, 8) * repeat(2, 2) on t {``,
+``barrier`` / ``barrier warp``, ``commit_copies``, ``wait_copies n``, warp shuffles
+``S0: r[0] = shfl_xor(value, offset, width)`` and vector copies ``S1: s[i, j] = vec4(x[a, b])``
+(``async_vec4`` for ``cp.async``); buffers may be ``shared`` or ``register``.
+
 ``str(parse_program(str(p))) == str(p)`` holds for every program.
 """
 
@@ -37,7 +42,11 @@ from ..types import DType
 from .expr import (
     CMP_OPS, FUNC_OPS, INDEX, MATH_FUNCS, Binary, Call, Cast, Const, Expr, Load, Select, Unary, Var,
 )
-from .program import Annotation, Buffer, If, Loop, Node, Param, Program, Reduce, Store
+from .mapping import ATOMS, TaskMapping, repeat, spatial
+from .program import (
+    Annotation, Barrier, Buffer, CopyCommit, CopyWait, If, Loop, Node, Param, Program, Reduce, Shuffle, Store,
+    TaskLoop, VectorCopy,
+)
 
 _PREC = {"||": 1, "&&": 2, "==": 3, "!=": 3, "<": 4, "<=": 4, ">": 4, ">=": 4,
          "+": 5, "-": 5, "*": 6, "/": 6, "%": 6}
@@ -110,6 +119,25 @@ _REDUCE_OPS = {"+": "+=", "*": "*=", "max": "max=", "min": "min="}
 
 def format_node(n: Node, indent: str) -> list[str]:
     inner = indent + "  "
+    if isinstance(n, Barrier):
+        return [f"{indent}barrier" + ("" if n.scope == "block" else f" {n.scope}")]
+    if isinstance(n, CopyCommit):
+        return [f"{indent}commit_copies"]
+    if isinstance(n, CopyWait):
+        return [f"{indent}wait_copies {n.pending}"]
+    if isinstance(n, Shuffle):
+        return [f"{indent}{n.name}: {format_expr(n.target)} = shfl_{n.mode}({format_expr(n.value)}, "
+                f"{format_expr(n.offset)}, {n.width})"]
+    if isinstance(n, VectorCopy):
+        kind = "async_vec" if n.asynchronous else "vec"
+        return [f"{indent}{n.name}: {format_expr(Load(n.dst, n.dst_indices))} = "
+                f"{kind}{n.width}({format_expr(Load(n.src, n.src_indices))})"]
+    if isinstance(n, TaskLoop):
+        lines = [f"{indent}for ({', '.join(n.iterators)}) in {n.mapping} on {format_expr(n.worker)} {{"]
+        for c in n.body:
+            lines += format_node(c, inner)
+        lines.append(indent + "}")
+        return lines
     if isinstance(n, Store):
         return [f"{indent}{n.name}: {format_expr(n.target)} = {format_expr(n.value)}"]
     if isinstance(n, Reduce):
@@ -155,7 +183,9 @@ from .lexer import Token, TokenStream  # noqa: E402  (the parser half of this mo
 
 KEYWORDS = {"program", "buffer", "for", "in", "if", "else", "step", "true", "false", "inf", "nan",
             "select"} | set(FUNC_OPS) | set(MATH_FUNCS) | {d.short for d in DType}
-_SCOPES = {"global", "local", "shared"}
+_SCOPES = {"global", "local", "shared", "register"}
+_SYNC_WORDS = ("barrier", "commit_copies", "wait_copies")
+_SHUFFLES = {f"shfl_{m}": m for m in ("xor", "down", "up", "idx")}
 
 
 def parse_program(text: str) -> Program:
@@ -254,6 +284,19 @@ class _Parser:
                 ts.next()
                 orelse = self.block()
             return If(cond, then, orelse)
+        word = ts.peek()
+        if word.kind == "ident" and word.text in _SYNC_WORDS and not ts.peek(1).text == ":":
+            ts.next()
+            if word.text == "commit_copies":
+                return CopyCommit()
+            if word.text == "wait_copies":
+                return CopyWait(self.int_literal())
+            if ts.peek_word("warp"):
+                ts.next()
+                return Barrier("warp")
+            return Barrier()
+        if ts.peek_word("for") and ts.peek(1).text == "(":
+            return self.task_loop()
         label = ""
         if not ts.peek_word("for"):
             label = self.name_token("loop or statement").text
@@ -283,6 +326,51 @@ class _Parser:
             annotation = self.annotation()
         body = self.block()
         return Loop(iterator, lower, upper, body, name=label, step=step, annotation=annotation)
+
+    def task_loop(self) -> TaskLoop:
+        ts = self.ts
+        ts.expect_word("for")
+        ts.expect("(")
+        iterators = [self.name_token("task iterator").text]
+        while ts.accept(","):
+            iterators.append(self.name_token("task iterator").text)
+        ts.expect(")")
+        ts.expect_word("in")
+        mapping = self.mapping()
+        while ts.accept("*"):
+            mapping = mapping * self.mapping()
+        ts.expect_word("on")
+        worker = self.expr()
+        body = self.block()
+        try:
+            return TaskLoop(mapping, worker, tuple(iterators), body)
+        except ValueError as e:
+            ts.fail(str(e), ts.peek())
+
+    def mapping(self) -> TaskMapping:
+        ts = self.ts
+        tok = ts.expect_ident()
+        if tok.text not in ATOMS:
+            ts.fail(f"expected a task mapping ({' or '.join(ATOMS)}), got '{tok.text}'", tok)
+        ts.expect("(")
+        shape = [self.int_literal()]
+        ranks = None
+        while ts.accept(","):
+            if ts.peek_word("ranks"):
+                ts.next()
+                ts.expect("=")
+                ts.expect("[")
+                ranks = [self.int_literal()]
+                while ts.accept(","):
+                    ranks.append(self.int_literal())
+                ts.expect("]")
+                break
+            shape.append(self.int_literal())
+        ts.expect(")")
+        try:
+            return (spatial if tok.text == "spatial" else repeat)(*shape, ranks=ranks)
+        except ValueError as e:
+            ts.fail(str(e), tok)
 
     def int_literal(self) -> int:
         tok = self.ts.next()
@@ -324,6 +412,31 @@ class _Parser:
         combiner = {"+=": "+", "*=": "*", "max=": "max", "min=": "min"}.get(op)
         if op != "=" and combiner is None:
             ts.fail("expected '=', '+=', '*=', 'max=' or 'min='", tok)
+        head = ts.peek()
+        if combiner is None and head.kind == "ident" and ts.peek(1).text == "(":
+            if head.text in _SHUFFLES:
+                ts.next()
+                ts.expect("(")
+                value = self.expr()
+                ts.expect(",")
+                offset = self.expr()
+                ts.expect(",")
+                width = self.int_literal()
+                ts.expect(")")
+                return Shuffle(target.text, indices, value, _SHUFFLES[head.text], offset, width, name=label)
+            for kind in ("async_vec", "vec"):
+                if head.text.startswith(kind) and head.text[len(kind):].isdigit():
+                    ts.next()
+                    ts.expect("(")
+                    src = self.name_token("buffer")
+                    ts.expect("[")
+                    src_indices = tuple(self.expr_list("]"))
+                    ts.expect(")")
+                    try:
+                        return VectorCopy(target.text, indices, src.text, src_indices, int(head.text[len(kind):]),
+                                          asynchronous=kind == "async_vec", name=label)
+                    except ValueError as e:
+                        ts.fail(str(e), head)
         value = self.expr()
         if combiner is None:
             return Store(target.text, indices, value, name=label)
