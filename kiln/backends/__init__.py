@@ -1,8 +1,10 @@
 """Backends: the protocol and registry (:mod:`kiln.backends.base`), the device-neutral core
 of code-generating backends (:mod:`kiln.backends.common`) and the backends.
 
-``reference`` (numpy, op by op) and ``cpu`` (generated C + OpenMP, :mod:`kiln.backends.cpu`)
-are registered here; later backends register the same way.
+``reference`` (numpy, op by op), ``cpu`` (generated C + OpenMP, :mod:`kiln.backends.cpu`),
+``cuda`` (CUDA C kernels, or their host emulation, :mod:`kiln.backends.cuda`) and ``triton``
+(generated Triton kernels, :mod:`kiln.backends.triton`) are registered here; later backends
+register the same way.
 """
 
 from .base import (
@@ -16,6 +18,7 @@ from .base import (
     register_backend,
 )
 from . import cpu  # noqa: F401  (registers "cpu"; its heavy parts load on first build)
+from . import cuda  # noqa: F401  (registers "cuda"; nvcc, kernels and emulation load on first build)
 
 __all__ = [
     "DEFAULT_BACKEND", "Backend", "BackendError", "Executable", "ReferenceBackend",

@@ -50,7 +50,11 @@ from torch.export.graph_signature import InputKind, OutputKind
 
 from kiln.backends import DEFAULT_BACKEND, Backend, get_backend
 from kiln.ir import Graph, KilnError
-from kiln.passes.pipeline import GraphTransform, PassTransform, resolve_passes  # noqa: F401  (re-exported)
+from kiln.passes.amp import AutoMixedPrecision, low_dtype
+from kiln.passes.manager import PassManager
+from kiln.passes.pipeline import (  # noqa: F401  (GraphTransform, resolve_passes: re-exported)
+    GraphTransform, PassTransform, default_pipeline, resolve_passes,
+)
 from kiln.runtime import CompiledModule, InputSlot, tensor_type
 
 from kiln.frontends.errors import CaptureError, UnsupportedOpError
@@ -65,7 +69,7 @@ from kiln.frontends.torch.fallback import CompiledFx, compile_fx, unsupported_no
 def compile(model_or_function: torch.nn.Module | Callable[..., Any], example_inputs: Any,
             backend: str | Backend = DEFAULT_BACKEND, *, passes: Any = "default", strict: bool = False,
             example_kwargs: Mapping[str, Any] | None = None, cache: bool = True,
-            cache_dir: str | None = None, capture_cache: bool | None = None,
+            cache_dir: str | None = None, capture_cache: bool | None = None, amp: str | None = None,
             **options: Any) -> CompiledModule:
     """Compile a module or function for inference with kiln (see the module docstring).
 
@@ -89,6 +93,10 @@ def compile(model_or_function: torch.nn.Module | Callable[..., Any], example_inp
         cache_dir: the folder of those caches (default ``KILN_CACHE_DIR`` or
             ``~/.cache/kiln``).
         capture_cache: ``False`` turns off the capture cache only (default: as ``cache``).
+        amp: ``None`` (float32 as given), ``"bf16"``/``"bfloat16"`` or ``"f16"``/``"float16"``:
+            the ``amp`` pass (:mod:`kiln.passes.amp`) runs before fusion (:func:`amp_passes`),
+            so matmuls, convolutions and attention compute in that dtype and reductions and
+            normalizations in float32; inputs, parameters and outputs keep their dtypes.
         **options: options of the backend, e.g. ``float64=True`` for ``"reference"``.
     """
     module = as_module(model_or_function)
@@ -100,7 +108,7 @@ def compile(model_or_function: torch.nn.Module | Callable[..., Any], example_inp
     builder.resolve_options(options)  # reject unknown options before the slow export
     captures = CaptureCache.open(switch.enabled if capture_cache is None else bool(capture_cache),
                                  cache_dir)
-    transform = resolve_passes(passes)
+    transform = amp_passes(passes, amp)
     name = _model_name(model_or_function)
     key = captures.capture_key(module, args, kwargs, name)
     captured = captures.load_capture(key, module)
@@ -122,6 +130,42 @@ def compile(model_or_function: torch.nn.Module | Callable[..., Any], example_inp
             return _compile_whole(captured, args, kwargs, builder, options, transform, name, captures, state)
     ep = capture_mod.decompose_program(ep)  # the fallback runs the functional, decomposed program
     return _compile_with_fallback(module, ep, args, kwargs, builder, options, transform, name)
+
+
+def amp_passes(passes: Any, amp: str | None) -> PassTransform | None:
+    """``passes`` resolved (:func:`kiln.passes.pipeline.resolve_passes`) with the ``amp`` pass
+    of dtype ``amp`` placed before fusion: for ``"default"``, the default pipeline's
+    clean-ups to their fixpoint, then ``amp``, then ``fuse``; for pipeline text or a list of
+    passes, right before its first ``fuse`` (at the end when it has none); for ``None``,
+    alone; for any other pipeline object (``"learned"``, a custom ``run``), before it.
+    ``amp=None`` leaves ``passes`` as they are.  The result's ``identity`` holds the amp pass
+    with its dtype, so cached pass results never mix precisions."""
+    if amp is None:
+        return resolve_passes(passes)
+    mixed = AutoMixedPrecision(low_dtype(amp).short)
+    if isinstance(passes, str) and passes == "default":
+        return _chain(resolve_passes(default_pipeline(fuse=False)), resolve_passes(PassManager([mixed, "fuse"])))
+    if passes is None or (isinstance(passes, (str, list, tuple)) and passes != "learned"):
+        manager = PassManager(passes if passes is not None else [])
+        names = [getattr(p, "name", "") for p in manager.passes]
+        at = names.index("fuse") if "fuse" in names else len(names)
+        return resolve_passes(PassManager([*manager.passes[:at], mixed, *manager.passes[at:]]))
+    return _chain(resolve_passes(PassManager([mixed])), resolve_passes(passes))
+
+
+def _chain(first: PassTransform | None, second: PassTransform | None) -> PassTransform | None:
+    """``second(first(graph))``; cacheable when both are."""
+    stages = [t for t in (first, second) if t is not None]
+    if not stages:
+        return None
+    identities = [t.identity for t in stages]
+    identity = None if None in identities else " | ".join(identities)
+
+    def run(graph: Graph) -> Graph:
+        for stage in stages:
+            graph = stage(graph)
+        return graph
+    return PassTransform(run, identity)
 
 
 def capture(model: torch.nn.Module | Callable[..., Any], example_inputs: Any,

@@ -148,7 +148,8 @@ class CompiledModule:
     """A model compiled by kiln; call it like the original model. See the module docstring.
 
     Attributes: ``graph`` (the kiln IR), ``graphs`` (all kiln graphs, one per partition when
-    some ops fall back to PyTorch), ``backend`` (its name), ``stats`` (counters and timings).
+    some ops fall back to PyTorch), ``backend`` (its name), ``stats`` (counters and timings),
+    ``sources`` (the generated kernels' sources, where the backend exposes them).
     """
 
     def __init__(self, executable: Executable, *, inputs: Sequence[InputSlot],
@@ -286,6 +287,13 @@ class CompiledModule:
             f"kiln: {self.name} was split into {len(self.graphs)} kiln graphs around ops that run in "
             "PyTorch; use .graphs for the list"
         )
+
+    @property
+    def sources(self) -> dict[str, str]:
+        """Kernel name -> source text of each generated kernel, for backends whose executables
+        expose them (``cuda``: every GPU kernel's CUDA C); ``{}`` otherwise, and for modules
+        split around ops that run in PyTorch."""
+        return dict(getattr(self.executable, "sources", None) or {})
 
     @property
     def stats(self) -> dict[str, Any]:

@@ -314,6 +314,8 @@ class CompiledBackend(Backend):
 
     selection: ClassVar[Selection]
     device: ClassVar[str] = "cpu"
+    selection_file: ClassVar[str] = "selection.json"
+    """Where ``select="time"`` keeps its choices, in the compile cache folder."""
 
     def supports(self, node: Node) -> bool:
         return self.selection.supports(node)
@@ -345,19 +347,32 @@ class CompiledBackend(Backend):
         if opts["select"] != "time":
             return self.selection.rule
         cache = pipeline.cache
-        path = cache.directory / "selection.json" if cache.enabled else None
+        path = cache.directory / self.selection_file if cache.enabled else None
         return TimedSelector(self.selection, path, pipeline.toolchain_identity(), self.measurer(opts)).choose
+
+    def run_device(self, opts: Mapping[str, Any]) -> str:
+        """The device a build with options ``opts`` runs on (default: ``device``)."""
+        return self.device
 
     def measurer(self, opts: Mapping[str, Any]) -> Callable[[Node, str], float]:
         """``measure(node, impl)``: seconds per call of ``node`` alone built with ``impl``
-        (on random inputs of its types, :func:`kiln.runtime.timing.best_time`)."""
+        (on random inputs of its types on :meth:`run_device`, synchronized on a GPU,
+        :func:`kiln.runtime.timing.best_time`)."""
+        device = self.run_device(opts)
+        gpu = torch.device(device).type == "cuda"
+
         def measure(node: Node, impl: str) -> float:
             probe, target = probe_graph(node)
             rule = self.selection.rule
             exe = self.pipeline({**opts, "poison": False}).run(
                 probe, lambda n: Choice(impl, "probe") if n is target else rule(n))
-            args = [random_tensor(v.type, self.device) for v in probe.inputs]
-            return best_time(lambda: exe(args))
+            args = [random_tensor(v.type, device) for v in probe.inputs]
+
+            def run() -> None:
+                exe(args)
+                if gpu:
+                    torch.cuda.synchronize()
+            return best_time(run)
         return measure
 
 

@@ -124,6 +124,11 @@ class Selection:
             return Choice("generated", "generated kernels requested")
         return self.rule(node)
 
+    def timed_candidates(self, node: Node) -> list[str]:
+        """The implementations of ``node`` that ``select="time"`` builds and times (the
+        others -- views, folds, the host reference -- are not timed)."""
+        return [i for i in self.available(node) if i in ("library", "library+epilogue", "generated")]
+
 
 def signature(node: Node) -> str:
     """A text naming the node's computation: op, attributes and operand types."""
@@ -133,10 +138,12 @@ def signature(node: Node) -> str:
 
 
 class TimedSelector:
-    """Choose by timing both implementations once; choices persist in a JSON file.
+    """Choose by timing every candidate once; choices persist in a JSON file.
 
+    The candidates of a node are its selection's :meth:`Selection.timed_candidates`.
     ``measure(node, impl) -> seconds`` builds and times one implementation (the backend
-    provides it).  ``machine`` (toolchain and processor identity) is part of every key.
+    provides it); a candidate that fails to build or run is not chosen.  ``machine``
+    (toolchain and processor identity) is part of every key.
     """
 
     def __init__(self, selection: Selection, path: Path | None, machine: str,
@@ -145,18 +152,24 @@ class TimedSelector:
         self.machine = machine
         self.measure = measure
         self.timed = 0
-        self._store = ChoiceStore(path, lambda v: v in IMPLEMENTATIONS, ".selection.")
+        self._store = ChoiceStore(path, lambda v: isinstance(v, str), ".selection.")
 
     def choose(self, node: Node) -> Choice:
-        impls = self.selection.available(node)
-        candidates = [i for i in impls if i in ("library", "library+epilogue", "generated")]
+        candidates = self.selection.timed_candidates(node)
         if len(candidates) < 2:
             return self.selection.rule(node)
         key = f"{self.machine}|{signature(node)}"
         known = self._store.get(key)
         if known in candidates:
             return Choice(known, "timed earlier")
-        times = {impl: self.measure(node, impl) for impl in candidates}
+        times: dict[str, float] = {}
+        for impl in candidates:
+            try:
+                times[impl] = self.measure(node, impl)
+            except Exception:  # noqa: BLE001 - a candidate that fails to build or run is not chosen
+                continue
+        if not times:
+            return self.selection.rule(node)
         best = min(times, key=times.__getitem__)
         self.timed += 1
         self._store.put(key, best)
