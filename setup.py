@@ -23,7 +23,9 @@ setup(
                  # pass-ordering tests; small pure-Python packages (torch is already required)
                  "gymnasium>=1.0", "stable-baselines3>=2.3", "sb3-contrib>=2.3",
                  # the benchmark harness's smoke test checks its PNG plot
-                 "matplotlib"],
+                 "matplotlib",
+                 # the triton backend's tests (Triton's interpreter on the CPU; wheels: linux x86_64)
+                 "triton==3.9.0; platform_system == 'Linux' and platform_machine == 'x86_64'"],
         "rl": ["gymnasium>=1.0", "stable-baselines3>=2.3", "sb3-contrib>=2.3", "tqdm", "rich"],
         "bench": ["onnxruntime", "onnx", "onnxscript", "matplotlib", "tqdm"],
     },

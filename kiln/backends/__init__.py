@@ -19,6 +19,7 @@ from .base import (
 )
 from . import cpu  # noqa: F401  (registers "cpu"; its heavy parts load on first build)
 from . import cuda  # noqa: F401  (registers "cuda"; nvcc, kernels and emulation load on first build)
+from . import triton  # noqa: F401  (registers "triton"; Triton itself loads on first build)
 
 __all__ = [
     "DEFAULT_BACKEND", "Backend", "BackendError", "Executable", "ReferenceBackend",
