@@ -57,6 +57,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 import kiln
+from kiln.tuning.measure import best_time
 
 ROOT = Path(__file__).resolve().parents[1]
 PEAK_TFLOPS = {"bfloat16": 989.0, "float32": 67.0}
@@ -210,26 +211,36 @@ def build_inference(check: Check, system: str, model: nn.Module, args: tuple, kw
 
 def interleaved(calls: dict[str, Callable[[], Any]], device: str, *, rounds: int = 3,
                 turn_s: float = 0.25) -> dict[str, float]:
-    """Median seconds per call of each system, timed interleaved (module docstring)."""
-    block = {}
-    for name, fn in calls.items():
-        start = time.perf_counter()
-        fn()
-        sync(device)
-        block[name] = max(1, min(50, int(turn_s / max(time.perf_counter() - start, 1e-6))))
+    """Median seconds per call of each system, timed interleaved (module docstring).  Every
+    measurement is :func:`~kiln.tuning.measure.best_time` of one turn: a block of calls
+    and one synchronization."""
+    def turn(fn: Callable[[], Any], calls_per_turn: int) -> Callable[[], None]:
+        def run() -> None:
+            for _ in range(calls_per_turn):
+                fn()
+            sync(device)
+        return run
+
+    block = {name: max(1, min(50, int(turn_s / max(best_time(turn(fn, 1), repeat=1, warmup=0), 1e-6))))
+             for name, fn in calls.items()}
     samples: dict[str, list[float]] = {name: [] for name in calls}
     names = list(calls)
     for r in range(rounds):
         for name in names[r % len(names):] + names[:r % len(names)]:
-            fn = calls[name]
-            fn()
-            sync(device)
-            start = time.perf_counter()
-            for _ in range(block[name]):
-                fn()
-            sync(device)
-            samples[name].append((time.perf_counter() - start) / block[name])
+            turn(calls[name], 1)()  # one untimed call first
+            samples[name].append(best_time(turn(calls[name], block[name]), repeat=1, warmup=0) / block[name])
     return {name: statistics.median(s) for name, s in samples.items()}
+
+
+class Stopwatch:
+    """Wall seconds since it was made, for a build's duration in a report row (a single
+    measurement; repeated timings go through :func:`interleaved`)."""
+
+    def __init__(self) -> None:
+        self._start = time.perf_counter()
+
+    def elapsed(self) -> str:
+        return fmt(time.perf_counter() - self._start)
 
 
 def systems_for(check: Check) -> list[str]:
@@ -375,7 +386,7 @@ def _correctness_table(rows: list) -> list[str]:
 
 def _checked(check: Check, system: str, model: nn.Module, args: tuple, kwargs: dict, want: Any, amp: str | None,
              tol: float) -> tuple:
-    start = time.perf_counter()
+    watch = Stopwatch()
     try:
         with time_limit(min(60.0, check.left() - 30)):
             call = build_inference(check, system, model, args, kwargs, amp)
@@ -383,9 +394,9 @@ def _checked(check: Check, system: str, model: nn.Module, args: tuple, kwargs: d
                 got = call()
             sync(check.device)
     except Exception as e:  # noqa: BLE001 - every failure is a row
-        return ("error", "-", fmt(time.perf_counter() - start), error_line(e))
+        return ("error", "-", watch.elapsed(), error_line(e))
     err = rel_error(got, want)
-    return ("pass" if err <= tol else "FAIL", fmt(err), fmt(time.perf_counter() - start), call.info)
+    return ("pass" if err <= tol else "FAIL", fmt(err), watch.elapsed(), call.info)
 
 
 def training_check(check: Check) -> list[tuple]:
@@ -405,7 +416,7 @@ def training_check(check: Check) -> list[tuple]:
     rows = []
     for system in kiln_systems(check):
         model = copy.deepcopy(base)
-        start = time.perf_counter()
+        watch = Stopwatch()
         try:
             with time_limit(min(180.0, check.left() - 30)):
                 step = kiln.compile_train(model, lm_loss, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
@@ -413,13 +424,13 @@ def training_check(check: Check) -> list[tuple]:
                 got = step(ids, labels)
                 sync(check.device)
         except Exception as e:  # noqa: BLE001
-            rows.append(("gpt2 train step", "fp32", system, "error", "-", fmt(time.perf_counter() - start),
+            rows.append(("gpt2 train step", "fp32", system, "error", "-", watch.elapsed(),
                          error_line(e)))
             continue
         err = max(rel_error(got, loss.detach()),
                   max(rel_error(a, b) for a, b in zip(model.parameters(), eager.parameters())))
         rows.append(("gpt2 train step", "fp32", system, "pass" if err <= 1e-3 else "FAIL", fmt(err),
-                     fmt(time.perf_counter() - start), kiln_info(step)))
+                     watch.elapsed(), kiln_info(step)))
     return rows
 
 
@@ -453,7 +464,7 @@ def _time_workload(check: Check, label: str, make: Callable[[str], Callable[[], 
     status: dict[str, tuple] = {}
     want = None
     for system in systems_for(check):
-        start = time.perf_counter()
+        watch = Stopwatch()
         try:
             with time_limit(build_share(check, system)):
                 call = make(system)
@@ -461,12 +472,12 @@ def _time_workload(check: Check, label: str, make: Callable[[str], Callable[[], 
                 sync(check.device)
         except Exception as e:  # noqa: BLE001 - every failure is a row
             status[system] = ("error" if not isinstance(e, TimeLimit) else "skipped", error_line(e),
-                              fmt(time.perf_counter() - start))
+                              watch.elapsed())
             continue
         want = got if system == "eager" else want
         err = rel_error(got, want) if want is not None else None
         ok = err is None or err <= (BF16_TOL if "train" in label else 1e-3)
-        status[system] = ("ok" if ok else "WRONG", fmt(err), fmt(time.perf_counter() - start), getattr(call, "info", "-"))
+        status[system] = ("ok" if ok else "WRONG", fmt(err), watch.elapsed(), getattr(call, "info", "-"))
         calls[system] = call
     times = interleaved(calls, check.device) if calls else {}
     rows = []
