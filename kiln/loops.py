@@ -32,6 +32,7 @@ from kiln.ir.loops.cgen import to_c
 from kiln.ir.loops.interp import run
 from kiln.backends.cpu.native import NativeKernel, compile_c
 from kiln.ir.poly import Dependence, Instance, Verdict, Violation
+from kiln.ir.poly.deps import Proof
 from kiln.passes.schedule import (
     PRIMITIVES, NodeInfo, Schedule, Step, applicable, candidate_steps, nodes, random_legal_sequence, random_sequence,
 )
@@ -42,7 +43,8 @@ parse = parse_program
 
 __all__ = [
     "Annotation", "Binary", "Buffer", "Call", "Cast", "Const", "Dependence", "Expr", "If", "IllegalTransformError",
-    "Instance", "Load", "Loop", "NativeKernel", "NodeInfo", "PRIMITIVES", "Param", "ParseError", "Program", "Reduce",
+    "Instance", "Load", "Loop", "NativeKernel", "NodeInfo", "PRIMITIVES", "Param", "ParseError", "Program", "Proof",
+    "Reduce",
     "Schedule", "ScheduleError", "Select", "Step", "Store", "Unary", "Var", "Verdict", "Violation", "applicable",
     "candidate_steps", "compile_c", "export_dataset", "format_program", "from_c", "measure_runtime", "nodes",
     "parse", "parse_program", "random_legal_sequence", "random_sequence", "run", "to_c",

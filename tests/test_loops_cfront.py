@@ -175,3 +175,57 @@ def test_to_c_prints_annotations_as_pragmas():
     kl.run(prog, {"N": 8}, {"A": a})
     kl.compile_c(prog, openmp=True)({"N": 8}, {"A": b})
     np.testing.assert_array_equal(a, b)
+
+
+# ----------------------------------------------------------------------------- declared and inferred extents
+TRMM = """for (i = 0; i < M; i++)
+  for (j = 0; j < N; j++) {
+    for (k = i + 1; k < M; k++)
+      B[i][j] += A[k][i] * B[k][j];
+    B[i][j] = alpha * B[i][j];
+  }"""
+
+
+def _shapes(prog: kl.Program) -> dict[str, list[str]]:
+    return {b.name: [str(d) for d in b.shape] for b in prog.buffers}
+
+
+def test_declared_extents_are_kept_and_undeclared_ones_are_the_bounding_box():
+    # A[k][i] with k from i + 1: the accesses cover A[1..M-1][0..M-2] only
+    assert _shapes(kl.from_c(TRMM)) == {"B": ["M", "N"], "A": ["M", "M - 1"]}
+    assert _shapes(kl.from_c("double A[M][M];\n" + TRMM)) == {"A": ["M", "M"], "B": ["M", "N"]}
+    assert _shapes(kl.from_c(TRMM, shapes={"A": ("M", "M")})) == {"A": ["M", "M"], "B": ["M", "N"]}
+    signature = "void trmm(int M, int N, double alpha, double A[M][M], double B[M][N]) {\n" + TRMM + "\n}"
+    assert _shapes(kl.from_c(signature)) == {"A": ["M", "M"], "B": ["M", "N"]}
+    # a triangle read from both sides: the box of every access over the whole domain
+    tri = kl.from_c("for (i = 0; i < N; i++) for (j = i; j < N; j++) U[i][j] = L[j][i] + L[N - 1 - i][j - i];")
+    assert _shapes(tri) == {"U": ["N", "N"], "L": ["N", "N"]}
+    prog = kl.from_c(TRMM, shapes={"A": ("M", "M")})
+    arrays = {"A": np.ones((5, 5)), "B": np.ones((5, 4))}
+    kl.run(prog, {"M": 5, "N": 4, "alpha": 2.0}, arrays)
+    np.testing.assert_allclose(arrays["B"][:, 0], [10, 8, 6, 4, 2])
+
+
+@pytest.mark.parametrize("source,shapes,line,col,message", [
+    ("double A[N];\nfor (i = 0; i < N; i++)\n  A[i] = A[i + 1] * 2.0;", None, 3, 10,
+     r"A\[i \+ 1\] in S0 reads A\[1\] at S0\[i=0\] with N=1, outside the declared extents A\[N\] = \(1\)"),
+    ("void f(int n, double A[n][n]) {\n  for (int i = 0; i < n; i++)\n    for (int j = 0; j <= i; j++)\n"
+     "      A[i][j + 1] = 0.0;\n}", None, 4, 7, r"A\[i, j \+ 1\] in S0 writes A\[0, 1\] at S0\[i=0, j=0\] with n=1"),
+    ("double x[N];\nfor (i = 0; i < M; i++)\n  y[i] = x[i];", None, 3, 10,
+     r"x\[i\] in S0 reads x\[1\] at S0\[i=1\] with N=1, M=2, outside the declared extents x\[N\] = \(1\)"),
+    (TRMM, {"A": ("M - 1", "M")}, 4, 18, r"A\[k, i\] in S0 reads A\[1, 0\] at S0\[i=0, j=0, k=1\] with M=2, N=1"),
+    (TRMM, {"A": ("M",)}, 4, 18, r"'A' is used with 2 subscript\(s\) but from_c\(shapes=...\) gives it 1"),
+    ("double A[M][M];\n" + TRMM, {"A": ("M", "M")}, 1, 8, r"array 'A' is declared here and given a shape"),
+    (TRMM, {"Q": (3,)}, 1, 1, r"gives a shape for 'Q', which the source never uses"),
+])
+def test_accesses_past_declared_extents_are_errors_at_the_access(source, shapes, line, col, message):
+    with pytest.raises(ParseError, match=message) as err:
+        kl.from_c(source, shapes=shapes)
+    assert (err.value.line, err.value.col) == (line, col)
+
+
+def test_conditional_and_non_affine_accesses_are_not_flagged():
+    # the guard keeps i + 1 in range, a data-dependent index cannot be checked statically
+    kl.from_c("double A[N], idx[N];\nfor (i = 0; i < N; i++) {\n  if (x[i] > 0.5) A[i] = 1.0;\n"
+              "  A[(int)idx[i]] = 2.0;\n}")
+    kl.from_c("double ey[NX][NY];\nfor (j = 0; j < NY; j++) ey[0][j] = 0.0;")  # fine whenever ey is not empty

@@ -92,3 +92,21 @@ def test_export_dataset_writes_json_lines(tmp_path):
         else:
             assert r["runtime_s"] is None
     assert {r["legal"] for r in records} == {True, False}  # seed 1 draws both kinds
+
+
+def test_candidates_cover_the_new_band_transforms():
+    s = kl.Schedule(kl.from_c("""
+double A[N], B[N], C[N], D[N];
+for (i = 1; i < N; i++) { B[i] = A[i] * 2.0; C[i] = B[i] + B[i - 1]; D[i] = C[i] * C[i]; }
+for (t = 0; t < N; t++) for (j = 0; j < N; j++) A[j] = A[j] + 1.0;
+"""))
+    steps = kl.candidate_steps(s)
+    for step in (kl.Step.of("full_split", loop="i"), kl.Step.of("scale", loop="i", factor=2),
+                 kl.Step.of("skew", target="t", source="j", factor=1)):
+        assert step in steps
+    legal = kl.applicable(s, legal_only=True)
+    assert kl.Step.of("full_split", loop="i") in legal and kl.Step.of("skew", target="t", source="j", factor=1) in legal
+    assert kl.Step.of("reverse", loop="t") not in legal
+    step = kl.Step.of("transform", loops=["t", "j"], matrix=[[1, 0], [1, 1]])
+    assert step.as_dict() == {"primitive": "transform", "args": {"loops": ["t", "j"], "matrix": [[1, 0], [1, 1]]}}
+    assert {step} and "for j in [t, N + t)" in str(step.apply(s.copy()).program())

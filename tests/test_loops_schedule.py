@@ -70,6 +70,45 @@ AFTER = {
       S0: A[i, j - i] = A[i, j - i] + 1.0
     }
   }""" + SECOND_NEST),
+    "skew_outer": ([("skew", {"target": "i", "source": "j", "factor": 1})], """
+  for i in [0, N + M - 1) {
+    for j in [max(0, i - N + 1), min(M, i + 1)) {
+      S0: A[i - j, j] = A[i - j, j] + 1.0
+    }
+  }""" + SECOND_NEST),
+    "transform": ([("transform", {"loops": ["i", "j"], "matrix": [[1, 1], [1, 2]]})], """
+  for i in [0, N + M - 1) {
+    for j in [max(i, 2 * i - N + 1), min(M + i, 2 * i + 1)) {
+      S0: A[2 * i - j, j - i] = A[2 * i - j, j - i] + 1.0
+    }
+  }""" + SECOND_NEST),
+    "split_at": ([("split_at", {"loop": "j", "value": 2})], """
+  for i in [0, N) {
+    for j in [0, min(2, M)) {
+      S0: A[i, j] = A[i, j] + 1.0
+    }
+    for j_b in [2, M) {
+      S0_1: A[i, j_b] = A[i, j_b] + 1.0
+    }
+  }""" + SECOND_NEST),
+    "shift_by_expression": ([("shift", {"loop": "j", "statement": None, "offset": "N - i"})], """
+  for i in [0, N) {
+    for j in [N - i, N + M - i) {
+      S0: A[i, i + j - N] = A[i, i + j - N] + 1.0
+    }
+  }""" + SECOND_NEST),
+    "full_fuse_full_split": ([("full_fuse", {"loop": "i"}), ("full_split", {"loop": "i"})], """
+  for i in [0, N) {
+    for j in [0, M) {
+      S0: A[i, j] = A[i, j] + 1.0
+    }
+  }
+  for i_b in [0, N) {
+    for j_1 in [0, M) {
+      S1: B[i_b, j_1] = A[i_b, j_1] * 2.0
+    }
+  }
+}"""),
     "reverse": ([("reverse", {"loop": "j"})], """
   for i in [0, N) {
     for j in [-M + 1, 1) {
@@ -162,10 +201,11 @@ def test_primitive_before_and_after(name):
     (lambda s: s.tile(["i", "j"], [4, 0]), r"tile: sizes must be positive integers"),
     (lambda s: s.tile(["j", "i"], [4, 4]), r"tile: loops 'j' and 'i' are not perfectly nested"),
     (lambda s: s.split("j", 0), r"split: the factor must be a positive integer, got 0"),
-    (lambda s: s.skew("i", "j", 1), r"skew: the source loop 'j' must enclose the target loop 'i'"),
+    (lambda s: s.skew("i", "j_1", 1), r"skew: loops 'i' and 'j_1' are not on one path"),
+    (lambda s: s.skew("i", "i", 1), r"skew: the target and source are both 'i'"),
     (lambda s: s.skew("j", "i", 0), r"skew: the factor must be a non-zero integer"),
     (lambda s: s.shift("i", "S1", 1), r"shift: statement 'S1' is not inside loop 'i'; it contains S0"),
-    (lambda s: s.fuse("i_1", "i"), r"fuse: loop 'i' must directly follow loop 'i_1'"),
+    (lambda s: s.fuse("i_1", "i"), r"fuse: loop 'i' must follow loop 'i_1' in the same sequence"),
     (lambda s: s.fission("i", 1), r"fission: loop 'i' directly contains loop 'j'; there is nothing to split"),
     (lambda s: s.fuse("i", "i_1").fission("i", 2), r"split position 2 of loop 'i' must leave children on both"),
     (lambda s: s.fuse("i", "i_1").fission("i", "S9"), r"'S9' is not a direct child of loop 'i'"),

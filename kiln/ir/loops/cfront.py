@@ -16,11 +16,15 @@ after global declarations.  Inside:
 * declarations ``double A[N][M];``, ``float s = 0;`` (``double``, ``float``, ``int``, ``long``,
   ``DATA_TYPE`` = ``double``).  Declarations inside a function body are ``local`` buffers.
 
-Names nobody declared are classified by their uses: subscripted or assigned names are
-``f64`` arrays (rank from the subscripts, extent the smallest that covers every access,
-computed with isl), names used in bounds or subscripts are ``i64`` size parameters, and the
-other names (``alpha``) are ``f64`` scalar parameters.  Anything outside the subset is a
-:class:`~kiln.ir.errors.ParseError` with line and column.
+Declared arrays (``double A[M][M]``, a parameter ``double A[n][n]``, or a shape given in
+the call, ``from_c(src, shapes={"A": ("M", "M")})``) keep their declared extents; an
+unconditional affine access that can leave them for some sizes is a ``ParseError`` at the
+access, naming the cell, the instance and the sizes (checked with isl).  Names nobody
+declared are classified by their uses: subscripted or assigned names are ``f64`` arrays
+(rank from the subscripts, extents the bounding box of every access over the whole
+iteration domain, computed with isl), names used in bounds or subscripts are ``i64`` size
+parameters, and the other names (``alpha``) are ``f64`` scalar parameters.  Anything outside
+the subset is a :class:`~kiln.ir.errors.ParseError` with line and column.
 """
 
 from __future__ import annotations
@@ -29,7 +33,9 @@ from dataclasses import dataclass, field
 
 from ..errors import ParseError
 from ..types import DType
-from .expr import INDEX, MATH_FUNCS, add_const, Binary, Call, Cast, Const, Expr, Load, Select, Unary, Var, map_expr
+from .expr import (
+    INDEX, MATH_FUNCS, add_const, Binary, Call, Cast, Const, Expr, Load, Select, Unary, Var, free_vars, map_expr,
+)
 from .lexer import Token, TokenStream
 from .program import Buffer, If, Loop, Node, Param, Program, Reduce, Store
 
@@ -59,15 +65,23 @@ class _Name:
     value_use: bool = False
 
 
-def from_c(source: str, name: str | None = None) -> Program:
-    """Parse C ``source`` (see the module docstring for the subset) into a :class:`Program`."""
-    parser = _CParser(source)
+def from_c(source: str, name: str | None = None,
+           shapes: dict[str, tuple[int | str | Expr, ...]] | None = None) -> Program:
+    """Parse C ``source`` (see the module docstring for the subset) into a :class:`Program`.
+
+    ``shapes`` declares global ``f64`` arrays the source leaves undeclared, extents given as
+    integers or loop-IR expressions of size parameters (``("M", "N + 1")``)."""
+    parser = _CParser(source, shapes or {})
     return parser.parse(name)
 
 
 class _CParser:
-    def __init__(self, source: str):
+    def __init__(self, source: str, shapes: dict[str, tuple[int | str | Expr, ...]]):
         self.ts = TokenStream(source, puncts=_PUNCTS, hash_lines=True)
+        self.given = {k: _shape(k, v) for k, v in shapes.items()}
+        self.stmt_tokens: list[Token] = []
+        self.accesses: list[dict[tuple[str, tuple[Expr, ...]], Token]] = []
+        self.current: dict[tuple[str, tuple[Expr, ...]], Token] | None = None
         self.buffers: dict[str, Buffer] = {}
         self.params: dict[str, Param] = {}
         self.scalar_decls: dict[str, tuple[DType, Token, str]] = {}
@@ -154,6 +168,9 @@ class _CParser:
         return dims
 
     def declare_buffer(self, tok: Token, dims: list[Expr], dtype: DType, scope: str) -> None:
+        if tok.text in self.given:
+            self.ts.fail(f"array '{tok.text}' is declared here and given a shape in the call "
+                         f"(from_c(shapes=...)); declare it once", tok)
         if tok.text in self.buffers or tok.text in self.params:
             self.ts.fail(f"'{tok.text}' is declared twice", tok)
         self.buffers[tok.text] = Buffer(tok.text, tuple(dims), dtype, scope)
@@ -212,7 +229,9 @@ class _CParser:
                     ts.fail(f"'{tok.text}' is declared twice", tok)
                 self.scalar_decls[tok.text] = (dtype, tok, scope)
                 if ts.accept("="):
+                    self.begin_statement(tok)
                     value = self.expr()
+                    self.current = None
                     self.note(tok, assigned=True)
                     out.append(Store(tok.text, (), value))
             if not ts.accept(","):
@@ -290,17 +309,26 @@ class _CParser:
             orelse = self.statement()
         return If(cond, tuple(then), tuple(orelse))
 
+    def begin_statement(self, tok: Token) -> None:
+        """Start recording the accesses of a new statement (for extent errors)."""
+        self.current = {}
+        self.stmt_tokens.append(tok)
+        self.accesses.append(self.current)
+
     def assignment(self, label: str) -> Node:
         ts = self.ts
         tok = ts.expect_ident()
         if tok.text in self.iterators:
             ts.fail(f"cannot assign to loop iterator '{tok.text}'", tok)
+        self.begin_statement(tok)
         indices = tuple(self.subscripts())
+        self.current.setdefault((tok.text, indices), tok)
         self.note(tok, rank=len(indices), assigned=True)
         op = ts.next()
         if op.text not in ("=", "+=", "-=", "*=", "/=", "%="):
             ts.fail("expected an assignment operator (=, +=, -=, *=, /=, %=)", op)
         value = self.expr()
+        self.current = None
         ts.expect(";")
         target = Load(tok.text, indices)
         if op.text == "+=":
@@ -377,7 +405,10 @@ class _CParser:
         if tok.text in _TYPES or tok.text in ("for", "if", "else", "while", "do", "return"):
             ts.fail(f"'{tok.text}' cannot appear in an expression", tok)
         if ts.peek_is("["):
+            current = self.current
             indices = tuple(self.subscripts())
+            if current is not None:
+                current.setdefault((tok.text, indices), tok)
             self.note(tok, rank=len(indices))
             return Load(tok.text, indices)
         if tok.text in self.iterators:
@@ -441,6 +472,21 @@ class _CParser:
         inferred: list[str] = []
         params = dict(self.params)
         buffers = dict(self.buffers)
+        for ident, shape in self.given.items():
+            info = self.names.get(ident)
+            if info is None:
+                raise ParseError(f"from_c(shapes=...) gives a shape for '{ident}', which the source never uses", 1, 1)
+            if ident in params or ident in self.scalar_decls or ident in self.iterator_names:
+                self._fail(f"'{ident}' is not an array, but from_c(shapes=...) gives it a shape", info.first)
+            if info.ranks and max(info.ranks) != len(shape):
+                self._fail(f"'{ident}' is used with {max(info.ranks)} subscript(s) but from_c(shapes=...) gives "
+                           f"it {len(shape)} extent(s)", info.first)
+            buffers[ident] = Buffer(ident, shape, DType.float64, "global")
+            for var in sorted({v for e in shape for v in free_vars(e)}):
+                if var not in params and var not in self.names:
+                    params[var] = Param(var, INDEX)
+                elif var in self.names:
+                    self.names[var].index_use = True
         for ident, info in self.names.items():
             if ident in params:
                 continue
@@ -475,11 +521,43 @@ class _CParser:
             program = program.replace(buffers=tuple(
                 Buffer(b.name, shapes[b.name], b.dtype, b.scope) if b.name in shapes else b
                 for b in program.buffers))
+        declared = [b.name for b in program.buffers if b.rank and b.name not in inferred]
+        if declared:
+            self._check_extents(program, declared)
         return program
+
+    def _check_extents(self, program: Program, names: list[str]) -> None:
+        from ..poly.extents import check_extents
+
+        problems = check_extents(program, names)
+        if not problems:
+            return
+        first = problems[0]
+        order = [st.name for st in program.statements()]
+        tok = self.names[first.array].first
+        if len(order) == len(self.stmt_tokens) and first.statement in order:
+            k = order.index(first.statement)
+            tok = self.accesses[k].get((first.ref.buffer, first.ref.indices), self.stmt_tokens[k])
+        self._fail(first.explain(), tok)
 
     def _fail(self, message: str, tok: Token) -> None:
         source = self.ts.lines[tok.line - 1] if 0 < tok.line <= len(self.ts.lines) else ""
         raise ParseError(message, tok.line, tok.col, source)
+
+
+def _shape(name: str, extents) -> tuple[Expr, ...]:
+    """A shape given to ``from_c``: integers, loop-IR expression text or expressions."""
+    from .text import parse_expr
+
+    if isinstance(extents, (int, str, Expr)):
+        extents = (extents,)
+    out = []
+    for e in extents:
+        if isinstance(e, bool) or not isinstance(e, (int, str, Expr)):
+            raise ParseError(f"from_c(shapes=...): the extents of '{name}' must be integers or expressions, "
+                             f"got {e!r}", 1, 1)
+        out.append(Const(e, INDEX) if isinstance(e, int) else parse_expr(e) if isinstance(e, str) else e)
+    return tuple(out)
 
 
 def _scalars_to_loads(body: tuple[Node, ...], names: set[str]) -> tuple[Node, ...]:

@@ -10,6 +10,10 @@ blocks, statement calls) is translated node by node:
   replaced by ``e0, e1, ...`` (affine indices are put in canonical form), wrapped in its
   non-affine guards if it has any.
 
+A statement split into pieces (leaves with domain filters, after index-set splitting) is
+handed to isl as one statement per piece (``S__piece1``, ...), so that every loop is named
+after the band of the piece it runs; each copy of the statement is labelled ``S``, ``S_1``...
+
 isl division and remainder operators map to ``floordiv``/``floormod`` (their operands are
 non-negative where isl uses the C-style ones), except ``zdiv_r`` which keeps C's ``%``.
 """
@@ -25,7 +29,7 @@ from ..loops.expr import (
 from ..loops.program import If, Loop, Node, Program, Reduce, Store
 from .affine import plain_name
 from .model import PolyModel
-from .tree import Band, Leaf, TreeNode, time_maps, union_time_map
+from .tree import Band, Leaf, TreeNode, leaf_time_maps
 
 _ITER = "kt"
 
@@ -79,6 +83,8 @@ class _AstToLoops:
         self.tree = tree
         self.atomic = atomic
         self.bands_at: dict[str, list[Band | None]] = {}
+        self.piece_of: dict[str, str] = {}
+        self.leaf_maps = leaf_time_maps(tree, model)
         self._collect(tree, [])
         reserved = set(model.program.size_params) | {p.name for p in model.program.params} | \
             {b.name for b in model.program.buffers}
@@ -95,7 +101,9 @@ class _AstToLoops:
 
     def _collect(self, node: TreeNode, prefix: list[Band | None]) -> None:
         if isinstance(node, Leaf):
-            self.bands_at[node.stmt] = prefix
+            key = node.stmt if node.stmt not in self.bands_at else f"{node.stmt}__piece{len(self.piece_of) + 1}"
+            self.piece_of[key] = node.stmt
+            self.bands_at[key] = prefix
         elif isinstance(node, Band):
             self._collect(node.child, prefix + [node])
         else:
@@ -103,11 +111,15 @@ class _AstToLoops:
                 self._collect(c, prefix + [None])
 
     def run(self) -> tuple[Node, ...]:
-        if not self.model.statements:
+        if not self.model.statements or not self.leaf_maps:
             return ()
-        times = time_maps(self.tree, self.model)
-        schedule = union_time_map(times)
-        depth = next(iter(times.values())).dim(isl.dim_type.out)
+        schedule: isl.UnionMap | None = None
+        for key, (_, _, m) in zip(self.bands_at, self.leaf_maps):
+            if key != self.piece_of[key]:
+                m = m.set_tuple_name(isl.dim_type.in_, key)
+            um = isl.UnionMap.from_map(m)
+            schedule = um if schedule is None else schedule.union(um)
+        depth = self.leaf_maps[0][2].dim(isl.dim_type.out)
         build = isl.AstBuild.from_context(self.model.context)
         if depth:
             ids = isl.IdList.alloc(isl.DEFAULT_CONTEXT, depth)
@@ -146,7 +158,7 @@ class _AstToLoops:
         it = n.for_get_iterator().get_id().get_name()
         k = int(it[len(_ITER):])
         stmts = _user_statements(n)
-        band = self.bands_at[stmts[0]][k] if stmts else None
+        band = self.bands_at[stmts[0]][k] if stmts and k < len(self.bands_at[stmts[0]]) else None
         base = self.iter_names[band.name] if band is not None else f"t{k}"
         inner_env = dict(env)
         inner_env[it] = base
@@ -176,7 +188,8 @@ class _AstToLoops:
         raise ScheduleError(f"isl produced a loop condition of unexpected form: {cond.to_C_str()}")
 
     def user(self, call: isl.AstExpr, env: dict[str, str]) -> Node:
-        stmt_name = plain_name(call.op_get_arg(0).get_id().get_name())
+        key = plain_name(call.op_get_arg(0).get_id().get_name())
+        stmt_name = self.piece_of.get(key, key)
         ps = self.model.statements[stmt_name]
         args = [self.expr(call.op_get_arg(i + 1), env) for i in range(call.op_get_n_arg() - 1)]
         mapping = dict(zip(ps.iterators, args))

@@ -30,17 +30,24 @@ class Step:
 
     @staticmethod
     def of(primitive: str, **args: Any) -> Step:
-        return Step(primitive, tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in args.items()))
+        return Step(primitive, tuple((k, _frozen(v)) for k, v in args.items()))
 
     def as_dict(self) -> dict[str, Any]:
-        return {"primitive": self.primitive,
-                "args": {k: list(v) if isinstance(v, tuple) else v for k, v in self.args}}
+        return {"primitive": self.primitive, "args": {k: _thawed(v) for k, v in self.args}}
 
     def apply(self, schedule: Schedule) -> Schedule:
         return schedule.apply(self.primitive, **self.as_dict()["args"])
 
     def __str__(self) -> str:
         return f"{self.primitive}({', '.join(f'{k}={v!r}' for k, v in self.args)})"
+
+
+def _frozen(v: Any) -> Any:
+    return tuple(_frozen(x) for x in v) if isinstance(v, (list, tuple)) else v
+
+
+def _thawed(v: Any) -> Any:
+    return [_thawed(x) for x in v] if isinstance(v, tuple) else v
 
 
 @dataclass(frozen=True)
@@ -84,20 +91,29 @@ def candidate_steps(schedule: Schedule, loop: str | None = None, tile_sizes: tup
             continue
         child = by_path.get(n.path + (0,))
         ancestors = [by_path[n.path[:d]] for d in range(len(n.path)) if by_path[n.path[:d]].kind == "band"]
+        inner = [m for m in tree_nodes if m.kind == "band" and len(m.path) > len(n.path)
+                 and m.path[:len(n.path)] == n.path]
         if child is not None and child.kind == "band":
             out.append(Step.of("interchange", a=n.name, b=child.name))
             out += [Step.of("tile", loops=[n.name, child.name], sizes=[s, s]) for s in tile_sizes]
         out += [Step.of("tile", loops=[n.name], sizes=[s]) for s in tile_sizes]
         out += [Step.of("split", loop=n.name, factor=f) for f in factors]
         out += [Step.of("skew", target=n.name, source=a.name, factor=f) for a in ancestors for f in offsets]
+        out += [Step.of("skew", target=n.name, source=m.name, factor=f) for m in inner[:1] for f in offsets]
         out.append(Step.of("reverse", loop=n.name))
+        out.append(Step.of("scale", loop=n.name, factor=2))
         if len(n.statements) > 1:
             out += [Step.of("shift", loop=n.name, statement=s, offset=o) for s in n.statements for o in offsets]
         sibling = by_path.get(n.path[:-1] + (n.path[-1] + 1,)) if n.path else None
         if sibling is not None and sibling.kind == "band":
             out.append(Step.of("fuse", a=n.name, b=sibling.name))
+            parent = by_path.get(n.path[:-1])
+            if n.path[-1] == 0 and parent is not None and len(parent.children) > 2:
+                out.append(Step.of("full_fuse", loop=n.name))
         if child is not None and child.kind == "sequence":
             out += [Step.of("fission", loop=n.name, split_before_child=k) for k in range(1, len(child.children))]
+            if len(child.children) > 2:
+                out.append(Step.of("full_split", loop=n.name))
             out += [Step.of("compute_at", statement=s, loop=n.name) for s in schedule.statements()
                     if s not in n.statements]
         out.append(Step.of("parallel", loop=n.name))

@@ -10,7 +10,12 @@ would break, and leaves the schedule unchanged.  A misapplied primitive (unknown
 not perfectly nested, bad factor) raises :class:`~kiln.ir.errors.ScheduleError`.
 
 With ``check=False`` (research mode) primitives apply without checking; :meth:`verify`
-returns the verdict of the current schedule at any time.  :meth:`program` regenerates a loop
+returns the verdict of the current schedule at any time.  ``ranges={"N": (2, 4096)}``
+makes every check symbolic over those parameter ranges: a step is accepted iff it is legal
+for every size in range, and a refusal says under which sizes it breaks (see
+:class:`~kiln.ir.poly.legality.Verdict`).  The model and the dependences of a program are
+computed once per program (:func:`analysis`) and shared by all its schedules, with the
+checker's memo: a step re-checks only the statement pairs whose common bands it changed.  :meth:`program` regenerates a loop
 program from the schedule through isl's AST generator.  Every applied step is appended to
 ``trace`` (JSON-ready dicts); :meth:`Schedule.replay` re-applies a trace to a program.
 
@@ -28,6 +33,7 @@ from __future__ import annotations
 
 import inspect
 import json
+from collections import OrderedDict
 from typing import Any
 
 import islpy as isl
@@ -37,26 +43,55 @@ from kiln.ir.loops.program import Annotation, Program
 from kiln.ir.poly.affine import plain_name
 from kiln.ir.poly.astgen import generate
 from kiln.ir.poly.deps import Dependences, compute_dependences
-from kiln.ir.poly.legality import Verdict, check_schedule
+from kiln.ir.poly.legality import Ranges, Verdict, checker_for, normalize_ranges
 from kiln.ir.poly.model import PolyModel, build_model
-from kiln.ir.poly.tree import TreeNode, bands, format_tree, initial_tree, statements_under, time_maps
+from kiln.ir.poly.tree import (
+    TreeNode, bands, format_tree, initial_tree, is_split, leaves, statements_under, time_maps,
+)
 
-from . import producer_consumer, tree_ops
+from . import band_ops, producer_consumer, tree_ops
 
-PRIMITIVES = ("interchange", "tile", "split", "skew", "reverse", "shift", "fuse", "fission", "parallel",
-              "vectorize", "unroll", "map_to", "serial", "compute_at", "inline")
+PRIMITIVES = ("interchange", "tile", "split", "skew", "transform", "scale", "reverse", "shift", "split_at",
+              "fuse", "full_fuse", "fission", "full_split", "parallel", "vectorize", "unroll", "map_to", "serial",
+              "compute_at", "inline")
+
+_ANALYSES: OrderedDict[Program, tuple[PolyModel, list]] = OrderedDict()
+_ANALYSES_LIMIT = 64
+
+
+def analysis(program: Program) -> tuple[PolyModel, Dependences | None]:
+    """The polyhedral model of ``program`` and, once computed, its dependences: cached per
+    program (by value), so every schedule of one program shares them and the checker's memo."""
+    hit = _ANALYSES.get(program)
+    if hit is None:
+        hit = (build_model(program), [None])
+        _ANALYSES[program] = hit
+        while len(_ANALYSES) > _ANALYSES_LIMIT:
+            _ANALYSES.popitem(last=False)
+    else:
+        _ANALYSES.move_to_end(program)
+    return hit[0], hit[1][0]
+
+
+def _program_dependences(program: Program, model: PolyModel) -> Dependences:
+    hit = _ANALYSES.get(program)
+    if hit is None or hit[0] is not model:
+        return compute_dependences(model)
+    if hit[1][0] is None:
+        hit[1][0] = compute_dependences(model)
+    return hit[1][0]
 
 
 class Schedule:
     """Transformations of one loop program; see the module docstring."""
 
-    def __init__(self, program: Program, check: bool = True):
+    def __init__(self, program: Program, check: bool = True, ranges: dict[str, tuple[int, int]] | None = None):
         self.original = program
         self.check = check
-        self._model: PolyModel = build_model(program)
+        self._model, self._deps = analysis(program)
         self._tree: TreeNode = initial_tree(self._model)
-        self._deps: Dependences | None = None
         self._broken: Verdict | None = None
+        self.ranges: Ranges = normalize_ranges(self._model, ranges)
         self.trace: list[dict[str, Any]] = []
 
     # ================================================================= state
@@ -72,7 +107,7 @@ class Schedule:
     def dependences(self) -> Dependences:
         """Every dependence of the program (computed once, on first use)."""
         if self._deps is None:
-            self._deps = compute_dependences(self._model)
+            self._deps = _program_dependences(self.original, self._model)
         return self._deps
 
     def copy(self) -> Schedule:
@@ -101,16 +136,21 @@ class Schedule:
         return format_tree(self._tree)
 
     # ================================================================= checking
-    def verify(self) -> Verdict:
+    def verify(self, ranges: dict[str, tuple[int, int]] | None = None) -> Verdict:
         """Whether the current schedule (parallel marks included) is legal, and if not, the
-        dependence it breaks."""
+        dependence it breaks; symbolic over ``ranges`` (default: the schedule's own)."""
         if self._broken is not None:
             return self._broken
-        return check_schedule(self._model, self.dependences, self._tree)
+        rng = self.ranges if ranges is None else normalize_ranges(self._model, ranges)
+        return checker_for(self._model, self.dependences).check(self._tree, rng)
+
+    def proof(self) -> Any:
+        """The :class:`~kiln.ir.poly.deps.Proof` of the current (legal) schedule."""
+        return self.verify().proof()
 
     def _commit(self, primitive: str, args: dict[str, Any], tree: TreeNode) -> Schedule:
         if self.check:
-            verdict = check_schedule(self._model, self.dependences, tree)
+            verdict = checker_for(self._model, self.dependences).check(tree, self.ranges)
             if not verdict:
                 call = ", ".join(f"{k}={v!r}" for k, v in args.items())
                 raise IllegalTransformError(f"{primitive}({call}) is illegal: {verdict.explanation}",
@@ -143,33 +183,67 @@ class Schedule:
 
     # ================================================================= affine changes
     def skew(self, target: str, source: str, factor: int = 1) -> Schedule:
-        """Add ``factor`` times the enclosing loop ``source`` to loop ``target``'s schedule.
+        """Add ``factor`` times loop ``source``'s schedule to loop ``target``'s, for the
+        statements under both; ``source`` may enclose ``target`` or be inside it.
 
         ``for i { for j { S(i, j) } }`` with ``skew("j", "i", 1)`` ->
-        ``for i { for j in [i + lo, i + hi) { S(i, j - i) } }``."""
+        ``for i { for j in [i + lo, i + hi) { S(i, j - i) } }``; ``skew("i", "j", 1)`` makes
+        the outer loop run over ``i + j``."""
         args = {"target": target, "source": source, "factor": factor}
-        return self._commit("skew", args, tree_ops.skew(self._tree, target, source, factor))
+        return self._commit("skew", args, band_ops.skew(self._tree, target, source, factor))
+
+    def transform(self, loops: list[str], matrix: list[list[int]]) -> Schedule:
+        """Replace the perfectly nested ``loops`` by ``matrix * loops`` (a unimodular integer
+        matrix: interchange, skew and reversal are special cases).
+
+        ``transform(["i", "j"], [[1, 1], [0, 1]])``: the outer loop runs over ``i + j``."""
+        args = {"loops": list(loops), "matrix": [list(r) for r in matrix]}
+        return self._commit("transform", args, band_ops.transform(self._tree, list(loops), args["matrix"]))
+
+    def scale(self, loop: str, factor: int) -> Schedule:
+        """Multiply ``loop``'s schedule by ``factor`` (the loop gets stride ``|factor|``)."""
+        return self._commit("scale", {"loop": loop, "factor": factor}, band_ops.scale(self._tree, loop, factor))
 
     def reverse(self, loop: str) -> Schedule:
         """Run ``loop`` backwards."""
         return self._commit("reverse", {"loop": loop}, tree_ops.reverse(self._tree, loop))
 
-    def shift(self, loop: str, statement: str, offset: int) -> Schedule:
-        """Delay ``statement``'s instances by ``offset`` iterations of ``loop``."""
+    def shift(self, loop: str, statement: str | None, offset: int | str) -> Schedule:
+        """Delay ``statement``'s instances (every statement's when ``None``) by ``offset``
+        iterations of ``loop``; ``offset`` is an integer or affine text over the statement's
+        iterators and the size parameters (``"N"``, ``"2 * j"``)."""
         args = {"loop": loop, "statement": statement, "offset": offset}
-        return self._commit("shift", args, tree_ops.shift(self._tree, loop, statement, offset))
+        return self._commit("shift", args, band_ops.shift(self._tree, self._model, loop, statement, offset))
+
+    def split_at(self, loop: str, value: int | str) -> Schedule:
+        """Index-set splitting: iterations of ``loop`` below ``value`` run in a first copy of
+        the loop, the rest in a second copy ``<loop>_b`` (inner loops renamed ``<name>_b``).
+
+        ``for i in [0, N) {S}`` with ``split_at("i", 4)`` ->
+        ``for i in [0, min(N, 4)) {S}  for i_b in [4, N) {S}``."""
+        args = {"loop": loop, "value": value}
+        return self._commit("split_at", args, band_ops.split_at(self._tree, self._model, loop, value))
 
     # ================================================================= structure
     def fuse(self, a: str, b: str) -> Schedule:
-        """Merge loop ``b`` into the loop ``a`` it directly follows; ``b``'s body runs after ``a``'s
-        in each iteration.  ``for i {S} for i2 {T}`` -> ``for i {S; T}``."""
+        """Merge loop ``b`` into loop ``a``, a later loop of the same sequence; ``b``'s body
+        runs after ``a``'s in each iteration.  ``for i {S} for i2 {T}`` -> ``for i {S; T}``."""
         return self._commit("fuse", {"a": a, "b": b}, tree_ops.fuse(self._tree, a, b))
+
+    def full_fuse(self, loop: str) -> Schedule:
+        """Fuse every loop of the sequence holding ``loop`` into one, named after the first."""
+        return self._commit("full_fuse", {"loop": loop}, tree_ops.full_fuse(self._tree, loop))
 
     def fission(self, loop: str, split_before_child: int | str) -> Schedule:
         """Split ``loop`` in two before a child (index, statement or loop name); the second
         loop is named ``<loop>_b``.  ``for i {S; T}`` -> ``for i {S} for i_b {T}``."""
         args = {"loop": loop, "split_before_child": split_before_child}
-        return self._commit("fission", args, tree_ops.fission(self._tree, loop, split_before_child))
+        return self._commit("fission", args, tree_ops.fission(self._tree, loop, split_before_child, self._model))
+
+    def full_split(self, loop: str) -> Schedule:
+        """One copy of ``loop`` per child of its sequence: ``for i {S; T; U}`` ->
+        ``for i {S} for i_b {T} for i_b_1 {U}``."""
+        return self._commit("full_split", {"loop": loop}, tree_ops.full_split(self._tree, loop, self._model))
 
     # ================================================================= annotations
     def parallel(self, loop: str) -> Schedule:
@@ -207,12 +281,14 @@ class Schedule:
 
         ``for i {P: B[i] = f(A[i])} for j {C: D[j] = B[j] + B[j+1]}`` with
         ``compute_at("P", "j")`` -> ``for j { for i in [..] {P} C }``."""
+        self._whole("compute_at", statement)
         tree = producer_consumer.compute_at(self._model, self.dependences, self._tree, statement, loop)
         return self._commit("compute_at", {"statement": statement, "loop": loop}, tree)
 
     def inline(self, statement: str) -> Schedule:
         """Replace every read of the local buffer ``statement`` stores to by its expression,
         and remove ``statement``."""
+        self._whole("inline", statement)
         times = time_maps(self._tree, self._model)
         try:
             model, tree = producer_consumer.inline(self._model, self._tree, times, statement)
@@ -225,6 +301,12 @@ class Schedule:
         self._deps = compute_dependences(model, tree)
         self.trace.append({"primitive": "inline", "args": {"statement": statement}})
         return self
+
+    def _whole(self, primitive: str, statement: str) -> None:
+        self._model.statement(statement)
+        if is_split(self._tree, statement):
+            raise ScheduleError(f"{primitive}: statement {statement} runs in pieces after split_at; {primitive} "
+                                f"moves whole statements -- apply it before split_at")
 
     # ================================================================= results
     def program(self, name: str | None = None, atomic: bool = True) -> Program:
@@ -246,6 +328,24 @@ class Schedule:
 
             fixed.wrap().foreach_point(add)
             out[stmt] = points
+        return out
+
+    def loop_instances(self, loop: str, params: dict[str, int]) -> set[tuple[str, tuple[int, ...]]]:
+        """For fixed size parameters, the statement instances that run inside ``loop`` (after
+        ``split_at``, only the pieces below it)."""
+        _, path = tree_ops.find_band(self._tree, loop, "loop_instances")
+        out: set[tuple[str, tuple[int, ...]]] = set()
+        for leaf, leaf_path in leaves(self._tree):
+            if leaf_path[:len(path)] != path:
+                continue
+            dom = self._model.statements[leaf.stmt].domain if leaf.domain is None else leaf.domain
+            fixed = _fix_params(dom, params)
+            n = fixed.dim(isl.dim_type.set)
+
+            def add(pt: isl.Point, stmt=leaf.stmt, n=n) -> None:
+                out.add((stmt, tuple(pt.get_coordinate_val(isl.dim_type.set, i).to_python() for i in range(n))))
+
+            fixed.foreach_point(add)
         return out
 
     def parallel_loops(self) -> dict[str, int]:
@@ -281,7 +381,7 @@ class Schedule:
         return method(**args)
 
 
-def _fix_params(m: isl.Map, params: dict[str, int]) -> isl.Map:
+def _fix_params(m: isl.Map | isl.Set, params: dict[str, int]) -> isl.Map | isl.Set:
     n = m.dim(isl.dim_type.param)
     for i in range(n):
         name = m.get_dim_name(isl.dim_type.param, i)

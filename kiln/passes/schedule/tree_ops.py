@@ -3,6 +3,8 @@
 Each function checks its structural preconditions and raises
 :class:`~kiln.ir.errors.ScheduleError` with a message saying what is wrong and what to do;
 it never checks dependences (that is :class:`~kiln.passes.schedule.Schedule`'s job).
+Affine changes of bands (skew, transforms, scaling, shifts, index-set splitting) are in
+:mod:`.band_ops`.
 """
 
 from __future__ import annotations
@@ -13,8 +15,10 @@ import islpy as isl
 
 from kiln.ir.errors import ScheduleError
 from kiln.ir.loops.program import Annotation
+from kiln.ir.poly.model import PolyModel
 from kiln.ir.poly.tree import (
-    Band, Leaf, Path, Sequence, TreeNode, bands, make_sequence, node_at, replace_at, statements_under,
+    Band, Leaf, Path, Sequence, TreeNode, bands, is_split, make_sequence, merge_funcs, node_at, replace_at,
+    statements_under, subtree_domains,
 )
 
 
@@ -115,70 +119,91 @@ def split(tree: TreeNode, loop: str, factor: int) -> TreeNode:
     return replace_at(tree, path, outer)
 
 
-# ----------------------------------------------------------------------------- affine changes
-def skew(tree: TreeNode, target: str, source: str, factor: int) -> TreeNode:
-    if isinstance(factor, bool) or not isinstance(factor, int) or factor == 0:
-        raise ScheduleError(f"skew: the factor must be a non-zero integer, got {factor!r}")
-    bt, pt = find_band(tree, target, "skew")
-    bs, ps = find_band(tree, source, "skew")
-    if not (len(ps) < len(pt) and pt[:len(ps)] == ps):
-        raise ScheduleError(f"skew: the source loop '{source}' must enclose the target loop '{target}'")
-    funcs = {k: v.add(bs.funcs[k].scale_val(isl.Val(factor))) for k, v in bt.funcs.items()}
-    return replace_at(tree, pt, replace(bt, funcs=funcs))
-
-
 def reverse(tree: TreeNode, loop: str) -> TreeNode:
     b, path = find_band(tree, loop, "reverse")
     return replace_at(tree, path, replace(b, funcs={k: v.neg() for k, v in b.funcs.items()}))
 
 
-def shift(tree: TreeNode, loop: str, statement: str, offset: int) -> TreeNode:
-    if isinstance(offset, bool) or not isinstance(offset, int):
-        raise ScheduleError(f"shift: the offset must be an integer, got {offset!r}")
-    b, path = find_band(tree, loop, "shift")
-    if statement not in b.funcs:
-        raise ScheduleError(f"shift: statement '{statement}' is not inside loop '{loop}'; "
-                            f"it contains {', '.join(b.funcs)}")
-    funcs = dict(b.funcs)
-    funcs[statement] = funcs[statement].add_constant_val(isl.Val(offset))
-    return replace_at(tree, path, replace(b, funcs=funcs))
-
-
 # ----------------------------------------------------------------------------- structure
 def fuse(tree: TreeNode, a: str, b: str) -> TreeNode:
+    """Merge loop ``b`` into loop ``a``, a later sibling of it in one sequence: the fused loop
+    takes ``a``'s place and runs ``b``'s body after ``a``'s in each iteration (children
+    between the two now run after the fused loop)."""
     ba, pa = find_band(tree, a, "fuse")
     bb, pb = find_band(tree, b, "fuse")
     parent_path = pa[:-1]
     parent = node_at(tree, parent_path) if pa else None
-    if not pa or not isinstance(parent, Sequence) or pb != parent_path + (pa[-1] + 1,):
-        raise ScheduleError(f"fuse: loop '{b}' must directly follow loop '{a}' in the same sequence "
-                            f"(adjacent sibling loops)")
+    if not pa or not isinstance(parent, Sequence) or pb[:-1] != parent_path or pb[-1] <= pa[-1]:
+        raise ScheduleError(f"fuse: loop '{b}' must follow loop '{a}' in the same sequence (sibling loops, "
+                            f"'{a}' first)")
     ann = ba.annotation if ba.annotation == bb.annotation else Annotation()
-    fused = Band(a, {**ba.funcs, **bb.funcs}, make_sequence([ba.child, bb.child]), ann)
+    fused = Band(a, merge_funcs(ba.funcs, bb.funcs), make_sequence([ba.child, bb.child]), ann)
     kids = list(parent.children)
-    i = pa[-1]
-    new_parent = make_sequence(kids[:i] + [fused] + kids[i + 2:])
+    i, j = pa[-1], pb[-1]
+    new_parent = make_sequence(kids[:i] + [fused] + kids[i + 1:j] + kids[j + 1:])
     return replace_at(tree, parent_path, new_parent)
 
 
-def fission(tree: TreeNode, loop: str, split_before_child: int | str) -> TreeNode:
+def full_fuse(tree: TreeNode, loop: str) -> TreeNode:
+    """Fuse every loop of the sequence ``loop`` belongs to into one loop named after the
+    first (Tadashi's ``full_fuse``); every child of that sequence must be a loop."""
+    _, path = find_band(tree, loop, "full_fuse")
+    parent = node_at(tree, path[:-1]) if path else None
+    if not isinstance(parent, Sequence):
+        raise ScheduleError(f"full_fuse: loop '{loop}' is not in a sequence; there is nothing to fuse it with")
+    if not all(isinstance(c, Band) for c in parent.children):
+        raise ScheduleError(f"full_fuse: the sequence of loop '{loop}' holds {_describe(parent)}; every child must "
+                            f"be a loop (use fuse for some of them)")
+    kids = parent.children
+    funcs: dict = {}
+    for c in kids:
+        funcs = merge_funcs(funcs, c.funcs)
+    same = all(c.annotation == kids[0].annotation for c in kids)
+    fused = Band(kids[0].name, funcs, make_sequence([c.child for c in kids]), kids[0].annotation if same
+                 else Annotation())
+    return replace_at(tree, path[:-1], fused)
+
+
+def fission(tree: TreeNode, loop: str, split_before_child: int | str, model: PolyModel | None = None) -> TreeNode:
     b, path = find_band(tree, loop, "fission")
     if not isinstance(b.child, Sequence):
         raise ScheduleError(f"fission: loop '{loop}' directly contains {_describe(b.child)}; "
                             f"there is nothing to split")
     kids = list(b.child.children)
     k = _child_index(kids, split_before_child, loop)
-    first_stmts = {s for c in kids[:k] for s in statements_under(c)}
-    first = Band(b.name, {s: f for s, f in b.funcs.items() if s in first_stmts}, make_sequence(kids[:k]),
-                 b.annotation)
-    second = Band(fresh_name(tree, f"{loop}_b"), {s: f for s, f in b.funcs.items() if s not in first_stmts},
-                  make_sequence(kids[k:]), b.annotation)
+    parts = [make_sequence(kids[:k]), make_sequence(kids[k:])]
+    return _split_band(tree, b, path, parts, model)
+
+
+def full_split(tree: TreeNode, loop: str, model: PolyModel | None = None) -> TreeNode:
+    """One copy of ``loop`` per child of the sequence it holds (Tadashi's ``full_split``):
+    ``for i {S; T; U}`` -> ``for i {S} for i_b {T} for i_b_1 {U}``."""
+    b, path = find_band(tree, loop, "full_split")
+    if not isinstance(b.child, Sequence):
+        raise ScheduleError(f"full_split: loop '{loop}' directly contains {_describe(b.child)}; "
+                            f"there is nothing to split")
+    return _split_band(tree, b, path, list(b.child.children), model)
+
+
+def _split_band(tree: TreeNode, b: Band, path: Path, parts: list[TreeNode], model: PolyModel | None) -> TreeNode:
+    """``b`` replaced by one copy per part (the first keeps the name, the others
+    ``<name>_b``, ``<name>_b_1``, ...), spliced into the parent sequence."""
+    copies: list[TreeNode] = []
+    taken: set[str] = set()
+    for n, part in enumerate(parts):
+        under = statements_under(part)
+        pieces = subtree_domains(part, model) if model is not None else {}
+        funcs = {s: (f.intersect_domain(pieces[s]) if is_split(b, s) and s in pieces else f)
+                 for s, f in b.funcs.items() if s in under}
+        name = b.name if n == 0 else fresh_name(tree, f"{b.name}_b", taken)
+        taken.add(name)
+        copies.append(Band(name, funcs, part, b.annotation))
     if path and isinstance(node_at(tree, path[:-1]), Sequence):
         parent = node_at(tree, path[:-1])
         siblings = list(parent.children)
         i = path[-1]
-        return replace_at(tree, path[:-1], make_sequence(siblings[:i] + [first, second] + siblings[i + 1:]))
-    return replace_at(tree, path, Sequence((first, second)))
+        return replace_at(tree, path[:-1], make_sequence(siblings[:i] + copies + siblings[i + 1:]))
+    return replace_at(tree, path, Sequence(tuple(copies)))
 
 
 def _child_index(kids: list[TreeNode], split: int | str, loop: str) -> int:
