@@ -1,8 +1,8 @@
-"""The cuda backend in host emulation (``emulate=True``; no GPU here): the test models and a
-few zoo models against eager, ``torch.compile``, the kernel sources, the compile cache, the
-selection rule, half-precision kernels, AMP, training steps, kernel logs and the errors of
-a machine without a GPU.  Builds share one compile-cache folder per session (the nvcc tests
-of test_cuda_nvcc.py reuse it)."""
+"""The cuda backend in host emulation (``emulate=True``; no GPU here): the test models and the
+CI subset of the zoo (their units also compiled with nvcc) against eager, ``torch.compile``,
+the kernel sources, the compile cache, the selection rule, half-precision kernels, AMP,
+training steps, kernel logs and the errors of a machine without a GPU.  Builds share one
+compile-cache folder per session (the nvcc tests of test_cuda_nvcc.py reuse it)."""
 
 from __future__ import annotations
 
@@ -21,8 +21,9 @@ from kiln.backends.base import BackendError
 from kiln.backends.cpu.toolchain import cpu_compiler
 from kiln.backends.cuda.backend import CudaBackend, EmulatedExecutable
 from kiln.backends.cuda.emulation import HALF_HELPERS
+from kiln.backends.cuda.toolchain import NvccCompiler, find_nvcc
 from kiln.ir import DType
-from kiln.zoo.models import ZOO
+from kiln.zoo.models import FAST, ZOO
 from kiln.zoo.run import run_entry
 
 from eagercheck import Fn, assert_same, randn
@@ -119,11 +120,30 @@ def test_torch_compile_runs_the_emulated_kernels(cache_dir, monkeypatch, one_tor
     assert calls
 
 
-@pytest.mark.parametrize("name", ["t5", "convnext", "pointnet_knn"])
-def test_zoo_models_match_eager(name, one_torch_thread):
-    result = run_entry(ZOO[name], ("inference",), backend=CudaBackend(emulate=True))
+class _Recording(CudaBackend):
+    """The emulated cuda backend, keeping every executable it builds."""
+
+    def __init__(self) -> None:
+        super().__init__(emulate=True)
+        self.built: list[EmulatedExecutable] = []
+
+    def build(self, graph, options=None):
+        exe = super().build(graph, options)
+        self.built.append(exe)
+        return exe
+
+
+@pytest.mark.parametrize("name", FAST)
+def test_zoo_models_match_eager_and_their_units_compile_with_nvcc(name, one_torch_thread, tmp_path):
+    backend = _Recording()
+    result = run_entry(ZOO[name], ("inference",), backend=backend)
     assert result.status == "pass", result.first_error
     assert result.checks["inference"].compared >= 1
+    (exe,) = backend.built
+    assert exe.info["gpu_kernels"] > 0, exe.info
+    nvcc = find_nvcc()
+    if nvcc is not None:  # compile only: no GPU here
+        NvccCompiler(nvcc).check(exe.cuda_source, tmp_path)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
