@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from kiln.ir import DType, Graph, KilnError, Node, TensorType, Value
+from kiln.ir.names import claim_name, unique_name
 from kiln.passes.base import Pass, PassResult, register_pass
 from kiln.passes.dce import DeadCodeElimination
 
@@ -168,12 +169,7 @@ class _Rewriter:
     def _name(self, hint: str) -> str:
         if not hint[0].isalpha() and hint[0] != "_":
             hint = "v" + hint  # numeric names may not take suffixes
-        name, n = hint, 0
-        while name in self.taken:
-            n += 1
-            name = f"{hint}_{n}"
-        self.taken.add(name)
-        return name
+        return claim_name(hint, self.taken)
 
 
 def simplify_casts(graph: Graph) -> Graph:
@@ -224,11 +220,7 @@ def scale_loss(graph: Graph, loss: int = 0) -> tuple[Graph, int]:
                         f"scalar, got {out.type if out is not None else 'nothing'}")
     g = graph.clone()
     taken = {v.name for v in g.values()}
-    name, n = LOSS_SCALE_INPUT, 0
-    while name in taken:
-        n += 1
-        name = f"{LOSS_SCALE_INPUT}_{n}"
-    scale = g.add_input(name, TensorType((), DType.float32))
+    scale = g.add_input(unique_name(LOSS_SCALE_INPUT, taken), TensorType((), DType.float32))
     loss_value = g.outputs[loss]
     scaled = g.op("mul", g.op("cast", loss_value, dtype=DType.float32, loc="amp")
                   if loss_value.dtype != DType.float32 else loss_value, scale, loc="amp")

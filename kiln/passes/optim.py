@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 
 from kiln.ir import DType, Graph, KilnError, TensorType, Value
 from kiln.ir.builder import GraphBuilder
+from kiln.ir.names import claim_name
 
 SGD_HYPERS = ("lr", "momentum", "dampening", "weight_decay")
 ADAM_HYPERS = ("lr", "beta1", "beta2", "eps", "weight_decay")
@@ -221,12 +222,7 @@ class _UpdateBuilder(GraphBuilder):
 
     # -------------------------------------------------------------- plumbing
     def input(self, hint: str, type: TensorType) -> Value:
-        name, n = hint, 0
-        while name in self.used:
-            n += 1
-            name = f"{hint}_{n}"
-        self.used.add(name)
-        return self.graph.add_input(name, type)
+        return self.graph.add_input(claim_name(hint, self.used), type)
 
     def scalar(self, v: Value) -> Value:
         """A float64 scalar as the float32 operand of tensor arithmetic (PyTorch converts a

@@ -25,6 +25,7 @@ import torch
 
 from kiln.frontends.errors import CaptureError, UnsupportedOpError
 from kiln.ir import Graph, OpTypeError, TensorType, Value
+from kiln.ir.names import claim_name
 from kiln.ir.ops.random import RNG_SEED_PARAM
 from kiln.runtime.module import BUFFER_UPDATE_PREFIX, INPUT_UPDATE_PREFIX
 
@@ -154,12 +155,7 @@ def fresh_name(name: str, used: set[str]) -> str:
     base = re.sub(r"[^A-Za-z0-9_.]", "_", name)
     if not re.match(r"^[A-Za-z_]", base):
         base = "v_" + base
-    candidate, n = base, 0
-    while candidate in used:
-        n += 1
-        candidate = f"{base}_{n}"
-    used.add(candidate)
-    return candidate
+    return claim_name(base, used)
 
 
 _STATIC_HINT = ("Capture with example inputs of exactly the shapes you will run; each new shape "

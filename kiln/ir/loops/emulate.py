@@ -43,6 +43,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ..errors import VerificationError
+from ..names import claim_name
 from .expr import Binary, Const, Expr, Load, Select, Var, map_expr, walk
 from .gpu import WARP_SIZE, block_loops, kernel_body, linear_thread, thread_loops, verify_kernel
 from .program import (
@@ -149,11 +150,7 @@ class _Emulator:
     def exchange_buffer(self, dtype) -> str:
         buf = self.exchange.get(dtype)
         if buf is None:
-            name, i = f"shfl_{dtype.short}", 0
-            while name in self.taken:
-                i += 1
-                name = f"shfl_{dtype.short}_{i}"
-            self.taken.add(name)
+            name = claim_name(f"shfl_{dtype.short}", self.taken)
             buf = self.exchange[dtype] = Buffer(name, (self.count,), dtype, "local")
         return buf.name
 

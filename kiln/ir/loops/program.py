@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 
 from ..errors import VerificationError
+from ..names import claim_name
 from ..types import DType
 from .expr import INDEX, Expr, Load, Var, as_expr, dtype_of, free_vars, walk
 from .mapping import TaskMapping
@@ -440,12 +441,7 @@ def _assign_names(body: tuple[Node, ...]) -> tuple[Node, ...]:
     counter = [0]
 
     def loop_name(base: str) -> str:
-        name, k = base, 0
-        while name in taken_loops:
-            k += 1
-            name = f"{base}_{k}"
-        taken_loops.add(name)
-        return name
+        return claim_name(base, taken_loops)
 
     def stmt_name() -> str:
         while f"S{counter[0]}" in taken_stmts:

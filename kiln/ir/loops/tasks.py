@@ -25,6 +25,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
+from ..names import claim_name
 from .expr import Binary, Const, Expr, Var, substitute
 from .mapping import TaskMapping
 from .program import If, Loop, Node, Program, TaskLoop, map_nodes
@@ -113,12 +114,7 @@ class _Lowering:
         self.changed = False
 
     def fresh(self, base: str) -> str:
-        name, k = base, 0
-        while name in self.taken:
-            k += 1
-            name = f"{base}_{k}"
-        self.taken.add(name)
-        return name
+        return claim_name(base, self.taken)
 
     def nodes(self, nodes: tuple[Node, ...], ranges: dict[str, tuple[int, int]]) -> tuple[Node, ...]:
         out: list[Node] = []

@@ -60,6 +60,7 @@ from ..loops.expr import (
     map_expr,
 )
 from ..loops.program import Buffer, Loop, Node, Reduce, Store
+from ..names import unique_name
 from ..types import DType, TensorType
 
 if TYPE_CHECKING:
@@ -321,10 +322,7 @@ class KernelBuilder:
     def declare(self, hint: str, shape: Sequence[int], dtype: DType, scope: str = "local") -> str:
         """A new buffer named after ``hint`` (sanitized, made unique); returns its name."""
         base = sanitize(hint)
-        name, k = base, 0
-        while name in self.buffers:
-            k += 1
-            name = f"{base}_{k}"
+        name = unique_name(base, self.buffers)
         self.buffers[name] = Buffer(name, tuple(int(n) for n in shape), dtype, scope)
         return name
 

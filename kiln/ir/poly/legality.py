@@ -215,10 +215,12 @@ class Checker:
         """How many pair tests were computed rather than found in the memo."""
 
     def clear(self) -> None:
-        """Forget every memoized result (benchmarks use it to time cold checks)."""
+        """Forget every memoized result and restart the miss count (benchmarks use it to
+        time cold checks)."""
         self._memo.clear()
         self._maps.clear()
         self._rels.clear()
+        self.misses = 0
 
     # ------------------------------------------------------------- pieces
     def range_context(self, ranges: Ranges) -> isl.Set | None:

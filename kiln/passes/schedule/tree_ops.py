@@ -15,6 +15,7 @@ import islpy as isl
 
 from kiln.ir.errors import ScheduleError
 from kiln.ir.loops.program import Annotation
+from kiln.ir.names import unique_name
 from kiln.ir.poly.model import PolyModel
 from kiln.ir.poly.tree import (
     Band, Leaf, Path, Sequence, TreeNode, bands, is_split, make_sequence, merge_funcs, node_at, replace_at,
@@ -38,12 +39,7 @@ def find_band(tree: TreeNode, name: str, primitive: str) -> tuple[Band, Path]:
 
 def fresh_name(tree: TreeNode, base: str, also_taken: set[str] | None = None) -> str:
     """``base``, or ``base_1``, ``base_2``, ... : a loop name not used in ``tree``."""
-    taken = set(loop_names(tree)) | (also_taken or set())
-    name, k = base, 0
-    while name in taken:
-        k += 1
-        name = f"{base}_{k}"
-    return name
+    return unique_name(base, set(loop_names(tree)) | (also_taken or set()))
 
 
 def _describe(node: TreeNode) -> str:

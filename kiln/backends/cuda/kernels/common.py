@@ -17,6 +17,7 @@ from kiln.ir.loops import (
     Select, Shuffle, Store, TaskLoop, Var, VectorCopy, loads_of, map_expr, map_nodes, substitute, walk,
 )
 
+from kiln.ir.names import claim_name
 from kiln.ir.types import DType
 
 from .plan import GpuKernel, KernelOptions
@@ -150,12 +151,7 @@ class PlanContext:
 
     # ----------------------------------------------------------------- names
     def fresh(self, base: str) -> str:
-        name, k = base, 0
-        while name in self.taken:
-            k += 1
-            name = f"{base}_{k}"
-        self.taken.add(name)
-        return name
+        return claim_name(base, self.taken)
 
     def count_uses(self, groups: Sequence[Sequence[Node]]) -> None:
         """Record which top-level groups touch each buffer (for privatization)."""
