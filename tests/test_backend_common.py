@@ -274,3 +274,16 @@ def test_a_pack_step_rewrites_its_copy_only_when_the_weight_changes():
         w.mul_(2)  # an in-place update: the copy follows
     torch.testing.assert_close(plan([w])[0], -w)
     assert len(writes) == 2
+
+
+@pytest.mark.parametrize("name", ["reference", "cpu", "cuda", "triton"])
+def test_a_backend_object_takes_its_own_option_defaults(name):
+    backend_type = type(get_backend(name))
+    flags = [k for k, v in backend_type.option_defaults.items() if isinstance(v, bool)]
+    if flags:
+        key = flags[0]
+        default = backend_type.option_defaults[key]
+        assert backend_type(**{key: not default}).option_defaults[key] is (not default)
+        assert backend_type.option_defaults[key] is default  # the class keeps its own
+    with pytest.raises(BackendError, match=rf"kiln backend '{name}' has no option\(s\) bogus"):
+        backend_type(bogus=1)

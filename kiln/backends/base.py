@@ -56,6 +56,13 @@ class Backend:
     name: ClassVar[str] = ""
     option_defaults: ClassVar[Mapping[str, Any]] = {}
 
+    def __init__(self, **defaults: Any):
+        """``defaults`` replace option defaults for this instance: ``CudaBackend(emulate=True)``
+        is a backend object that emulates unless told otherwise, for APIs that take a backend
+        rather than options (``kiln.zoo.run.run_entry``, the benchmark harness)."""
+        if defaults:
+            self.option_defaults = self.resolve_options(defaults)
+
     def build(self, graph: Graph, options: Mapping[str, Any] | None = None) -> Executable:
         """Compile ``graph``; the result runs it on torch tensors (see the module docstring)."""
         raise NotImplementedError

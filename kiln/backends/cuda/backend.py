@@ -134,13 +134,6 @@ class CudaBackend(CompiledBackend):
     selection = SELECTION
     device: ClassVar[str] = "cuda"
 
-    def __init__(self, **defaults: Any):
-        """``defaults`` replace option defaults for this instance: ``CudaBackend(emulate=True)``
-        is a backend object that emulates unless told otherwise (for APIs that take a
-        backend, not options)."""
-        if defaults:
-            self.option_defaults = self.resolve_options(defaults)
-
     def check_options(self, graph: Graph, opts: Mapping[str, Any]) -> None:
         super().check_options(graph, opts)
         if not opts["emulate"] and not torch.cuda.is_available():
