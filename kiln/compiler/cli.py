@@ -4,6 +4,7 @@
 
     kiln bench --quick                  # the benchmark harness (python -m benchmarks)
     kiln bench --models gpt2 --systems eager,kiln --threads 1
+    kiln tune --backend tvm --trials 64 # MetaSchedule-tune the built-in models' kernels
     kiln tune-passes --out runs/rl      # train and evaluate a pass-ordering agent
     kiln zoo --models llama,swin        # the model-zoo sweep against eager (python -m kiln.zoo)
 
@@ -62,6 +63,48 @@ def _run_bench(args: argparse.Namespace, rest: list[str]) -> int:
     return int(harness.main(rest, prog="kiln bench"))  # type: ignore[attr-defined]
 
 
+def _configure_tune(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--backend", default="tvm", choices=["tvm"],
+                        help="backend whose kernels to tune (tvm: MetaSchedule)")
+    parser.add_argument("--models", default="all",
+                        help="comma-separated built-in models of `python -m kiln` (default: all)")
+    parser.add_argument("--trials", type=int, default=64,
+                        help="MetaSchedule trials per model, all kernels together (default 64)")
+    parser.add_argument("--cache-dir", default=None, help="compile cache folder (default: kiln's)")
+    parser.add_argument("--threads", type=int, default=None, help="threads (default: torch's)")
+
+
+def _run_tune(args: argparse.Namespace, rest: list[str]) -> int:
+    """Tune every kernel of the chosen built-in models with MetaSchedule; the records go to
+    ``tvm_tuning/`` in the cache folder, where ``schedules="tuned"`` builds find them."""
+    import time
+
+    import kiln
+    from kiln.compiler.demo import _models
+
+    if args.trials < 1:
+        raise SystemExit("kiln tune: --trials must be at least 1")
+    models = _models()
+    wanted = None if args.models == "all" else {m.strip() for m in args.models.split(",")}
+    known = [name for name, _, _ in models]
+    if wanted is not None and not wanted <= set(known):
+        raise SystemExit(f"kiln tune: unknown model(s) {', '.join(sorted(wanted - set(known)))}; "
+                         f"known: {', '.join(known)}")
+    options = {"schedules": "tuned", "tune_trials": args.trials, "cache_dir": args.cache_dir,
+               "threads": args.threads}
+    for index, (name, model, inputs) in enumerate(models):
+        if wanted is not None and name not in wanted:
+            continue
+        print(f"[{index + 1}/{len(models)}] {name}: tuning with {args.trials} MetaSchedule trials ...", flush=True)
+        start = time.perf_counter()
+        compiled = kiln.compile(model, inputs, backend=args.backend, **options)
+        notes = compiled.executable.info.get("tvm_notes", {})
+        tuned = sum(note == "MetaSchedule record" for note in notes.values())
+        print(f"[{index + 1}/{len(models)}] {name}: {tuned} of {len(notes)} kernels tuned in "
+              f"{time.perf_counter() - start:.1f} s", flush=True)
+    return 0
+
+
 def _run_tune_passes(args: argparse.Namespace, rest: list[str]) -> int:
     from kiln.tuning.rl.tune import main as tune_main
 
@@ -77,6 +120,8 @@ def _run_zoo(args: argparse.Namespace, rest: list[str]) -> int:
 COMMANDS: list[Command] = [
     Command("bench", "benchmark kiln against PyTorch eager, Inductor, ONNX Runtime and TVM "
                      "(options: kiln bench --help)", _run_bench, forward=True),
+    Command("tune", "tune the kernels of the built-in models for a backend (tvm: MetaSchedule, records in "
+                    "the compile cache folder)", _run_tune, configure=_configure_tune),
     Command("tune-passes", "train a pass-ordering agent, evaluate it against the baselines, write a "
                            "report (options: kiln tune-passes --help)", _run_tune_passes, forward=True),
     Command("zoo", "run the model zoo (transformers families, hand-written nets) through kiln against "

@@ -33,8 +33,10 @@ share the cache folder, its atomic writes and its integrity checks with the C co
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
+from collections.abc import Iterable
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -82,4 +84,15 @@ def build_cached(toolchain: Toolchain, source: str, cache: CompileCache, *,
     return entry
 
 
-__all__ = ["Toolchain", "build_cached", "find_tool"]
+def sources_digest(paths: Iterable[Path], root: Path, seed: str = "") -> str:
+    """A 24-digit digest of ``seed`` and of each file's path relative to ``root`` and bytes,
+    in sorted order: the part of a build identity that changes whenever a backend's code does
+    (so an edited kiln never loads an artifact built by an older one)."""
+    h = hashlib.sha256(seed.encode())
+    for path in sorted(paths):
+        h.update(path.relative_to(root).as_posix().encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()[:24]
+
+
+__all__ = ["Toolchain", "build_cached", "find_tool", "sources_digest"]

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import ClassVar
 
 from kiln.backends.base import BackendError
-from kiln.backends.common.toolchain import find_tool
+from kiln.backends.common.toolchain import find_tool, sources_digest
 
 FLAGS: tuple[str, ...] = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-std=gnu11",
                           "-shared", "-fPIC")
@@ -144,18 +144,15 @@ def _cpu_signature() -> str:
 def build_identity() -> str:
     """kiln's version plus a hash of the sources that generate code (so an edited kiln never
     loads a shared object built by an older one)."""
-    h = hashlib.sha256()
+    files = []
     for rel in _CODEGEN_PACKAGES:
         path = _KILN_ROOT / rel
-        files = sorted(path.rglob("*.py")) if path.is_dir() else ([path] if path.exists() else [])
-        for f in files:
-            h.update(str(f.relative_to(_KILN_ROOT)).encode())
-            h.update(f.read_bytes())
+        files += path.rglob("*.py") if path.is_dir() else ([path] if path.exists() else [])
     try:
         version = importlib.metadata.version("kiln")
     except importlib.metadata.PackageNotFoundError:  # a source tree that is not installed
         version = "source"
-    return f"kiln {version} {h.hexdigest()[:24]}"
+    return f"kiln {version} {sources_digest(files, _KILN_ROOT)}"
 
 
 # Math functions with vector variants in glibc's libmvec: 2.35+ has all, 2.22+ the first five.

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -48,6 +47,7 @@ from kiln.backends.base import BackendError
 from kiln.backends.common.build import BuildPipeline, CompiledBackend, CompiledExecutable
 from kiln.backends.common.partition import GraphPlan, PlanOp
 from kiln.backends.common.select import Choice
+from kiln.backends.common.toolchain import sources_digest
 from kiln.ir import Graph, Node
 from kiln.runtime.cache import CompileCache
 from kiln.runtime.call_plan import HOST, Allocator, BoundCall, HostLauncher, KernelCall, Slots, Step, \
@@ -314,11 +314,7 @@ def build_identity() -> str:
     this package (printers, kernel generators, host code)."""
     from kiln.backends.cpu.toolchain import build_identity as cpu_identity  # noqa: PLC0415
 
-    h = hashlib.sha256()
-    for f in sorted(_PACKAGE.rglob("*.py")):
-        h.update(str(f.relative_to(_PACKAGE)).encode())
-        h.update(f.read_bytes())
-    return f"{cpu_identity()} cuda {h.hexdigest()[:24]}"
+    return f"{cpu_identity()} cuda {sources_digest(_PACKAGE.rglob('*.py'), _PACKAGE)}"
 
 
 __all__ = ["CudaBackend", "CudaBuild", "CudaExecutable", "CudaLauncher", "EmulatedBuild", "EmulatedExecutable",

@@ -36,7 +36,6 @@ Options (``TritonBackend.option_defaults``):
 
 from __future__ import annotations
 
-import hashlib
 import inspect
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -52,6 +51,7 @@ from kiln.backends.common.build import (
 )
 from kiln.backends.common.partition import GraphPlan, Partitioner, PlanOp
 from kiln.backends.common.select import Choice
+from kiln.backends.common.toolchain import sources_digest
 from kiln.backends.cpu.backend import kernel_fallback as host_kernel_fallback
 from kiln.backends.cpu.toolchain import build_identity as kiln_build_identity
 from kiln.ir import Graph, Node
@@ -191,11 +191,7 @@ class TritonBuild(BuildPipeline):
         return {"choices": plan.choices, "interpret": self.interpret, "tf32": self.tf32}
 
     def build_identity(self) -> str:
-        h = hashlib.sha256(kiln_build_identity().encode())
-        for f in sorted(_PACKAGE.glob("*.py")):
-            h.update(f.name.encode())
-            h.update(f.read_bytes())
-        return f"triton-backend {h.hexdigest()[:24]}"
+        return f"triton-backend {sources_digest(_PACKAGE.glob('*.py'), _PACKAGE, kiln_build_identity())}"
 
     def kernel_source(self, symbol: str, op: PlanOp) -> tuple[KernelSource, list]:
         from .generate import kernel_source  # noqa: PLC0415 (lowering loads on a cache miss only)
