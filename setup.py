@@ -27,8 +27,11 @@ setup(
                  # the triton backend's tests (Triton's interpreter on the CPU; wheels: linux x86_64)
                  "triton==3.9.0; platform_system == 'Linux' and platform_machine == 'x86_64'",
                  # the tvm backend's tests (see the "tvm" extra)
-                 "apache-tvm==0.27.*", "apache-tvm-ffi==0.1.14.post1", "psutil"],
+                 "apache-tvm==0.27.*", "apache-tvm-ffi==0.1.14.post1", "psutil",
+                 # the JAX frontend's tests
+                 "jax>=0.10,<0.13"],
         # apache-tvm-ffi 0.1.15 crashes in tvm.ir.save_json, which MetaSchedule's database calls
+        "jax": ["jax>=0.10,<0.13"],
         "tvm": ["apache-tvm==0.27.*", "apache-tvm-ffi==0.1.14.post1", "psutil"],
         "rl": ["gymnasium>=1.0", "stable-baselines3>=2.3", "sb3-contrib>=2.3", "tqdm", "rich"],
         "bench": ["onnxruntime", "onnx", "onnxscript", "matplotlib", "tqdm"],

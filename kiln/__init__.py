@@ -31,7 +31,11 @@ def __getattr__(name: str):
 
         loops = importlib.import_module("kiln.loops")
         return loops if name == "loops" else loops.Schedule
+    if name == "jax":  # kiln.jax loads jax on first use
+        import importlib
+
+        return importlib.import_module("kiln.jax")
     raise AttributeError(f"module 'kiln' has no attribute {name!r}")
 
 __all__ = ["IllegalTransformError", "KilnError", "KilnFallbackWarning", "Schedule", "ScheduleError",
-           "UnsupportedOpError", "__version__", "capture", "compile", "compile_train", "loops"]
+           "UnsupportedOpError", "__version__", "capture", "compile", "compile_train", "jax", "loops"]

@@ -29,7 +29,7 @@ def layer_of(module: str) -> str:
     assert parts[0] == "kiln", module
     if module in ("kiln.compiler.cli", "kiln.__main__"):
         return "cli"  # the command line dispatches to the tools (``kiln zoo``) too
-    if len(parts) == 1 or parts[1] in ("loops", "mapping"):
+    if len(parts) == 1 or parts[1] in ("loops", "mapping", "jax"):
         return "compiler"  # kiln/__init__.py (the public API), kiln/loops.py and kiln/mapping.py
     top = parts[1]
     if top == "zoo":

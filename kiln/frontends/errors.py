@@ -25,6 +25,9 @@ class UnsupportedOpError(KilnError):
         hint: how to go on, when running the op in PyTorch instead would not help.
     """
 
+    kind = "ATen op"
+    """What the frontend calls ``op`` in the message (the JAX frontend: ``"JAX primitive"``)."""
+
     def __init__(self, op: str, input_types: str = "", source: str | None = None,
                  reason: str | None = None, hint: str | None = None):
         self.op = op
@@ -32,7 +35,7 @@ class UnsupportedOpError(KilnError):
         self.source = source
         self.reason = reason
         self.hint = hint or _HOW_TO_GO_ON
-        text = f"kiln cannot lower ATen op {op}({input_types})"
+        text = f"kiln cannot lower {self.kind} {op}({input_types})"
         text += f": {reason}" if reason else ": the op is not supported by kiln"
         text += f"\n  at {source}" if source else "\n  at <unknown source line>"
         text += "\n  " + self.hint
