@@ -231,8 +231,9 @@ def kiln_backend_name(requested: str | None = None) -> str:
 class Kiln(System):
     name, label = "kiln", "kiln"
 
-    def __init__(self, backend: str | None = None):
+    def __init__(self, backend: str | None = None, name: str = "kiln"):
         self.backend = kiln_backend_name(backend)
+        self.name = name
         self.label = f"kiln ({self.backend})"
         self._warm_note = ""
         self._uses_cache = False  # whether the last cold compile looked up the compile cache
@@ -345,7 +346,9 @@ class Tvm(System):
 
 # --------------------------------------------------------------------------- selection
 
-SYSTEM_NAMES = ("eager", "inductor", "onnxruntime", "kiln", "tvm")
+SYSTEM_NAMES = ("eager", "inductor", "onnxruntime", "kiln", "kiln-tvm", "tvm")
+"""``kiln-tvm`` is kiln with its ``tvm`` backend (kiln's kernels built by TVM), beside ``tvm``,
+TVM's own Relax pipeline."""
 
 
 def make_systems(names: list[str] | None = None, *, kiln_backend: str | None = None) -> list[System]:
@@ -355,7 +358,7 @@ def make_systems(names: list[str] | None = None, *, kiln_backend: str | None = N
         raise ValueError(f"unknown system(s) {', '.join(unknown)}; known: {', '.join(SYSTEM_NAMES)}")
     factories: dict[str, Callable[[], System]] = {
         "eager": Eager, "inductor": Inductor, "onnxruntime": OnnxRuntime,
-        "kiln": lambda: Kiln(kiln_backend), "tvm": Tvm,
+        "kiln": lambda: Kiln(kiln_backend), "kiln-tvm": lambda: Kiln("tvm", "kiln-tvm"), "tvm": Tvm,
     }
     return [factories[name]() for name in SYSTEM_NAMES if not names or name in names]
 
