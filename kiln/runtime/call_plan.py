@@ -102,6 +102,22 @@ class KernelLauncher(Protocol):
     def bind(self, kernels: Sequence[KernelCall], static: set[int], template: Slots) -> BoundCall: ...
 
 
+def split_arguments(slots: Sequence[int], offsets: Sequence[int] | None, static: set[int], template: Slots,
+                    bind: Callable[[torch.Tensor, int], Any]) -> tuple[list[Any], list[tuple[int, int, int]]]:
+    """One kernel's arguments for :meth:`KernelLauncher.bind`: ``bind(tensor, offset)`` for
+    each slot in ``static`` (its tensor from ``template``) and ``None`` where a dynamic slot
+    goes, with the ``(position, slot, offset)`` of each dynamic one."""
+    fixed: list[Any] = []
+    dynamic: list[tuple[int, int, int]] = []
+    for position, (slot, offset) in enumerate(zip(slots, offsets or (0,) * len(slots))):
+        if slot in static:
+            fixed.append(bind(template[slot], offset))
+        else:
+            fixed.append(None)
+            dynamic.append((position, slot, offset))
+    return fixed, dynamic
+
+
 class HostLauncher:
     """Host kernels of one shared object, through its table runner
     ``runner(calls, n, ptrs)`` (a ctypes function of ``(const long *, long, void *const *)``),
@@ -440,5 +456,6 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 
 __all__ = ["HOST", "Allocator", "CallPlan", "ContiguousStep", "HostLauncher", "KernelCall", "KernelLauncher",
+           "split_arguments",
            "NativeRunStep", "PackStep", "ReleaseStep", "SlotSpec", "Step", "TorchDeviceAllocator", "TorchStep",
            "ViewStep", "Workspace"]

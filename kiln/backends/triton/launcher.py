@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from kiln.runtime.call_plan import Allocator, BoundCall, KernelCall, Slots
+from kiln.runtime.call_plan import Allocator, BoundCall, KernelCall, Slots, split_arguments
 
 from .toolchain import interpreted_library
 
@@ -81,14 +81,7 @@ class TritonLauncher:
         runs: list[tuple[LoadedKernel, list[Any], list[tuple[int, int, int]]]] = []
         for index, slots, offsets in kernels:
             kernel = self.table[index]
-            fixed: list[Any] = []
-            dynamic: list[tuple[int, int, int]] = []
-            for position, (slot, offset) in enumerate(zip(slots, offsets or (0,) * len(slots))):
-                if slot in static:
-                    fixed.append(at_offset(template[slot], offset))
-                else:
-                    fixed.append(None)
-                    dynamic.append((position, slot, offset))
+            fixed, dynamic = split_arguments(slots, offsets, static, template, at_offset)
             fixed += kernel.constants
             fixed += [self.allocator.empty(shape, dtype) for shape, dtype in kernel.scratch]
             runs.append((kernel, fixed, dynamic))

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from kiln.runtime.call_plan import BoundCall, KernelCall, Slots
+from kiln.runtime.call_plan import BoundCall, KernelCall, Slots, split_arguments
 
 
 @dataclass
@@ -43,14 +43,8 @@ class TvmLauncher:
         keep: list = [k.constants for k in self.table]  # tensors whose pointers the calls hold
         for index, slots, offsets in kernels:
             kernel = self.table[index]
-            fixed: list[Any] = []
-            dynamic: list[tuple[int, int, int]] = []
-            for position, (slot, offset) in enumerate(zip(slots, offsets or (0,) * len(slots))):
-                if slot in static:
-                    fixed.append(ctypes.c_void_p(template[slot].data_ptr() + offset))
-                else:
-                    fixed.append(None)
-                    dynamic.append((position, slot, offset))
+            fixed, dynamic = split_arguments(slots, offsets, static, template,
+                                             lambda t, offset: ctypes.c_void_p(t.data_ptr() + offset))
             scratch = [torch.empty(shape, dtype=getattr(torch, dtype)) for shape, dtype in kernel.scratch]
             fixed += [ctypes.c_void_p(t.data_ptr()) for t in (*kernel.constants, *scratch)]
             runs.append((kernel.function, fixed, dynamic))

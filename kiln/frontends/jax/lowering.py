@@ -28,6 +28,7 @@ import jax.extend.core as jcore
 import numpy as np
 
 from kiln.frontends.errors import CaptureError
+from kiln.frontends.results import match_result
 from kiln.ir import Graph, KilnError, OpTypeError, Value
 
 from .errors import UnsupportedPrimitiveError
@@ -174,15 +175,8 @@ class JaxprLowerer:
 
     def _match(self, eqn: Any, value: Value, aval: Any, loc: str | None) -> Value:
         """Check ``value`` against JAX's result type; cast when only the dtype differs."""
-        want = aval_type(aval)
-        if tuple(value.shape) != want.shape:
-            raise CaptureError(
-                f"kiln's lowering of JAX primitive {eqn.primitive.name}({describe_eqn(eqn)}) has type "
-                f"{value.type}, but JAX computes {want}\n  at {loc or '<unknown source line>'}\n"
-                "  This is a kiln bug; please report it.")
-        if value.dtype != want.dtype:
-            value = self.graph.op("cast", value, loc=loc, dtype=want.dtype)
-        return value
+        return match_result(self.graph, value, aval_type(aval),
+                            f"JAX primitive {eqn.primitive.name}({describe_eqn(eqn)})", "JAX", loc)
 
 
 def capture_jaxpr(closed_jaxpr: Any, *, name: str = "main",

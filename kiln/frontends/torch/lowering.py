@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from kiln.frontends.errors import CaptureError, UnsupportedOpError
+from kiln.frontends.results import match_result
 from kiln.ir import Graph, OpTypeError, TensorType, Value
 from kiln.ir.names import claim_name
 from kiln.ir.ops.random import RNG_SEED_PARAM
@@ -113,15 +114,8 @@ class Lowerer:
         """Check ``value`` against PyTorch's result; cast when only the dtype differs."""
         if not isinstance(expected, torch.Tensor):
             return value
-        want = tensor_type(expected)
-        if tuple(value.shape) != want.shape:
-            raise CaptureError(
-                f"kiln's lowering of ATen op {node.target}({describe_inputs(node)}) has type "
-                f"{value.type}, but PyTorch computes {want}\n  at {loc or '<unknown source line>'}"
-                "\n  This is a kiln bug; please report it.")
-        if value.dtype != want.dtype:
-            value = self.graph.op("cast", value, loc=loc, dtype=want.dtype)
-        return value
+        return match_result(self.graph, value, tensor_type(expected),
+                            f"ATen op {node.target}({describe_inputs(node)})", "PyTorch", loc)
 
     def output(self, node: torch.fx.Node, arg: Any, what: str) -> Value:
         if not isinstance(arg, torch.fx.Node) or not isinstance(self.env.get(arg), Value):
