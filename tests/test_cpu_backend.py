@@ -19,6 +19,7 @@ from kiln.backends.common.memory_plan import BufferRequest, check_plan, plan_mem
 from kiln.passes import default_pipeline
 from kiln.runtime import torch_dtype
 
+import kernel_graphs
 from models import MODELS
 
 REL_TOL = 1e-4
@@ -102,36 +103,13 @@ ODD_SHAPES = [(1,), (3, 17), (17, 1000), (2, 3, 17)]
 
 @pytest.mark.parametrize("shape", ODD_SHAPES)
 def test_elementwise_kernels(shape):
-    t = f"f32[{', '.join(map(str, shape))}]"
-    last = shape[-1]
-    info = check_against_reference(f"""
-graph @ew(%x: {t}, %y: {t}, %b: f32[{last}]) {{
-  %0: {t} = mul(%x, %y)
-  %1: {t} = add(%0, %b)
-  %2: {t} = gelu(%1) {{approximate="tanh"}}
-  %3: {t} = tanh(%2)
-  %4: {t} = exp(%3)
-  return %4
-}}""").info
+    info = check_against_reference(kernel_graphs.elementwise(shape)).info
     assert info["kernels"] == 1
 
 
 @pytest.mark.parametrize("shape", [(3, 17), (1, 1000), (17, 3, 5)])
 def test_reduction_and_normalization_kernels(shape):
-    t = f"f32[{', '.join(map(str, shape))}]"
-    kept = f"f32[{', '.join(map(str, shape[:-1]))}, 1]"
-    last = shape[-1]
-    check_against_reference(f"""
-graph @red(%x: {t}, %w: f32[{last}], %b: f32[{last}]) {{
-  %0: {kept} = sum(%x) {{dims=[-1], keepdim=true}}
-  %1: {t} = sub(%x, %0)
-  %2: {kept} = amax(%1) {{dims=[-1], keepdim=true}}
-  %3: {t} = add(%1, %2)
-  %4: {t} = softmax(%3) {{dim=-1}}
-  %5: {t} = layer_norm(%4, %w, %b) {{normalized_rank=1}}
-  %6: f32[] = mean(%5)
-  return %5, %6
-}}""")
+    check_against_reference(kernel_graphs.reduction(shape))
 
 
 def test_large_full_reduction_uses_per_thread_partials():
@@ -147,14 +125,7 @@ graph @total(%x: f32[300, 1000]) {
 @pytest.mark.parametrize("select", ["rule", "generated"])
 @pytest.mark.parametrize("m,k,n", [(1, 3, 17), (17, 1000, 3), (3, 17, 1)])
 def test_matmul_kernels(select, m, k, n):
-    info = check_against_reference(f"""
-graph @mm(%x: f32[2, {m}, {k}]) params(%w: f32[{n}, {k}], %b: f32[{n}]) {{
-  %0: f32[{k}, {n}] = permute(%w) {{dims=[1, 0]}}
-  %1: f32[2, {m}, {n}] = matmul(%x, %0)
-  %2: f32[2, {m}, {n}] = add(%1, %b)
-  %3: f32[2, {m}, {n}] = relu(%2)
-  return %3
-}}""", select=select).info
+    info = check_against_reference(kernel_graphs.matmul_epilogue(m, k, n), select=select).info
     assert ("library+epilogue" if select == "rule" else "generated") in info["choices"].values()
     assert info["kernels"] == 1
 
@@ -172,14 +143,7 @@ graph @bmm(%a: f32[2, 3, 17, 5], %b: f32[3, 5, 1]) {
 @pytest.mark.parametrize("select", ["rule", "generated"])
 @pytest.mark.parametrize("stride,groups", [(1, 1), (2, 3)])
 def test_conv_kernels(select, stride, groups):
-    out = (17 + 2 - 3) // stride + 1
-    check_against_reference(f"""
-graph @conv(%x: f32[1, 3, 17, 17]) params(%w: f32[6, {3 // groups}, 3, 3], %b: f32[6], %s: f32[6, 1, 1]) {{
-  %0: f32[1, 6, {out}, {out}] = conv(%x, %w, %b) {{stride=[{stride}, {stride}], padding=[1, 1], dilation=[1, 1], groups={groups}}}
-  %1: f32[1, 6, {out}, {out}] = mul(%0, %s)
-  %2: f32[1, 6, {out}, {out}] = relu(%1)
-  return %2
-}}""", select=select)
+    check_against_reference(kernel_graphs.conv_block(stride, groups), select=select)
 
 
 @pytest.mark.parametrize("select", ["rule", "generated"])

@@ -25,6 +25,7 @@ from kiln.passes import default_pipeline  # noqa: E402
 from kiln.runtime.cache import COUNTERS  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
+import kernel_graphs  # noqa: E402
 from models import MODELS  # noqa: E402
 
 REL_TOL = 1e-4
@@ -80,49 +81,20 @@ SCHEDULES = ["kiln", "tvm"]
 @pytest.mark.parametrize("schedules", SCHEDULES)
 @pytest.mark.parametrize("shape", [(1,), (3, 17), (17, 1000), (2, 3, 17)])
 def test_elementwise_kernels(shape, schedules):
-    t = f"f32[{', '.join(map(str, shape))}]"
-    check(f"""
-graph @ew(%x: {t}, %y: {t}, %b: f32[{shape[-1]}]) {{
-  %0: {t} = mul(%x, %y)
-  %1: {t} = add(%0, %b)
-  %2: {t} = gelu(%1) {{approximate="tanh"}}
-  %3: {t} = tanh(%2)
-  %4: {t} = exp(%3)
-  return %4
-}}""", schedules=schedules)
+    check(kernel_graphs.elementwise(shape), schedules=schedules)
 
 
 @pytest.mark.parametrize("schedules", SCHEDULES)
 @pytest.mark.parametrize("shape", [(3, 17), (1, 1000), (17, 3, 5)])
 def test_reduction_and_normalization_kernels(shape, schedules):
-    t = f"f32[{', '.join(map(str, shape))}]"
-    kept = f"f32[{', '.join(map(str, shape[:-1]))}, 1]"
-    last = shape[-1]
-    check(f"""
-graph @red(%x: {t}, %w: f32[{last}], %b: f32[{last}]) {{
-  %0: {kept} = sum(%x) {{dims=[-1], keepdim=true}}
-  %1: {t} = sub(%x, %0)
-  %2: {kept} = amax(%1) {{dims=[-1], keepdim=true}}
-  %3: {t} = add(%1, %2)
-  %4: {t} = softmax(%3) {{dim=-1}}
-  %5: {t} = layer_norm(%4, %w, %b) {{normalized_rank=1}}
-  %6: f32[] = mean(%5)
-  return %5, %6
-}}""", schedules=schedules)
+    check(kernel_graphs.reduction(shape), schedules=schedules)
 
 
 @pytest.mark.parametrize("schedules", SCHEDULES)
 @pytest.mark.parametrize("select", ["rule", "generated"])
 @pytest.mark.parametrize("m,k,n", [(1, 3, 17), (17, 100, 3), (3, 17, 1)])
 def test_matmul_with_epilogue(select, m, k, n, schedules):
-    exe = check(f"""
-graph @mm(%x: f32[2, {m}, {k}]) params(%w: f32[{n}, {k}], %b: f32[{n}]) {{
-  %0: f32[{k}, {n}] = permute(%w) {{dims=[1, 0]}}
-  %1: f32[2, {m}, {n}] = matmul(%x, %0)
-  %2: f32[2, {m}, {n}] = add(%1, %b)
-  %3: f32[2, {m}, {n}] = relu(%2)
-  return %3
-}}""", select=select, schedules=schedules)
+    exe = check(kernel_graphs.matmul_epilogue(m, k, n), select=select, schedules=schedules)
     assert ("library+epilogue" if select == "rule" else "generated") in exe.info["choices"].values()
 
 
@@ -130,15 +102,7 @@ graph @mm(%x: f32[2, {m}, {k}]) params(%w: f32[{n}, {k}], %b: f32[{n}]) {{
 @pytest.mark.parametrize("select", ["rule", "generated"])
 @pytest.mark.parametrize("stride,groups", [(1, 1), (2, 3)])
 def test_conv_kernels(select, stride, groups, schedules):
-    out = (17 + 2 - 3) // stride + 1
-    check(f"""
-graph @conv(%x: f32[1, 3, 17, 17]) params(%w: f32[6, {3 // groups}, 3, 3], %b: f32[6], %s: f32[6, 1, 1]) {{
-  %0: f32[1, 6, {out}, {out}] = conv(%x, %w, %b) {{stride=[{stride}, {stride}], padding=[1, 1], dilation=[1, 1], groups={groups}}}
-  %1: f32[1, 6, {out}, {out}] = mul(%0, %s)
-  %2: f32[1, 6, {out}, {out}] = relu(%1)
-  %3: f32[1, 6, {(out - 2) // 2 + 1}, {(out - 2) // 2 + 1}] = max_pool2d(%2) {{kernel=[2, 2], stride=[2, 2]}}
-  return %3
-}}""", select=select, schedules=schedules)
+    check(kernel_graphs.conv_block(stride, groups, pool=True), select=select, schedules=schedules)
 
 
 def test_timed_selection():
