@@ -201,3 +201,13 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[], Inputs]]] = {
     "gpt2": (gpt2_small_config_model, gpt2_inputs),
     "bert": (bert_small_model, bert_inputs),
 }
+
+
+def first_tensor(out: Any) -> torch.Tensor:
+    """The first tensor of a model's output (a tensor, a Hugging Face ``ModelOutput`` or a
+    tuple)."""
+    if isinstance(out, torch.Tensor):
+        return out
+    if hasattr(out, "to_tuple"):
+        return out.to_tuple()[0]
+    return out[0]

@@ -20,7 +20,7 @@ from kiln.passes import default_pipeline
 from kiln.runtime import torch_dtype
 
 import kernel_graphs
-from models import MODELS
+from models import MODELS, first_tensor
 
 REL_TOL = 1e-4
 
@@ -34,14 +34,6 @@ def private_cache(tmp_path_factory, monkeypatch):
 def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     scale = max(want.double().abs().max().item(), 1e-12) if want.numel() else 1.0
     return (got.double() - want.double()).abs().max().item() / scale if want.numel() else 0.0
-
-
-def first_tensor(out):
-    if isinstance(out, torch.Tensor):
-        return out
-    if hasattr(out, "to_tuple"):
-        return out.to_tuple()[0]
-    return out[0]
 
 
 # ------------------------------------------------------------------ models

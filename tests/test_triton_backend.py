@@ -19,7 +19,7 @@ from kiln.backends.common.select import Choice
 from kiln.backends.triton import library
 from kiln.runtime.cache import COUNTERS
 
-from models import MODELS
+from models import MODELS, first_tensor
 
 pytest.importorskip("triton")
 IMPLEMENTATIONS = {"view", "fold", "triton", "library", "cuda", "reference"}
@@ -28,14 +28,6 @@ IMPLEMENTATIONS = {"view", "fold", "triton", "library", "cuda", "reference"}
 @pytest.fixture(autouse=True)
 def _private_cache(monkeypatch, tmp_path_factory):
     monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "kiln-triton-cache"))
-
-
-def first_tensor(out):
-    if isinstance(out, torch.Tensor):
-        return out
-    if hasattr(out, "to_tuple"):
-        return out.to_tuple()[0]
-    return out[0]
 
 
 # ------------------------------------------------------------------ models

@@ -26,7 +26,7 @@ from kiln.runtime.cache import COUNTERS  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 import kernel_graphs  # noqa: E402
-from models import MODELS  # noqa: E402
+from models import MODELS, first_tensor  # noqa: E402
 
 REL_TOL = 1e-4
 
@@ -144,14 +144,6 @@ graph @rows(%x: f32[37, 300]) {
 
 
 # ------------------------------------------------------------------ models
-def first_tensor(out):
-    if isinstance(out, torch.Tensor):
-        return out
-    if hasattr(out, "to_tuple"):
-        return out.to_tuple()[0]
-    return out[0]
-
-
 @pytest.mark.parametrize("name", ["mlp", "cnn", "resnet18", "gpt2", "bert"])
 def test_models_match_eager(name):
     builder, inputs_fn = MODELS[name]
