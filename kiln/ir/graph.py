@@ -23,7 +23,7 @@ import numpy as np
 
 from .errors import OpTypeError
 from .registry import OpDef, get_op
-from .types import DType, TensorType
+from .types import DType, SizeRange, TensorType
 
 _NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.]*$|^[0-9]+$")
 
@@ -103,6 +103,8 @@ class Graph:
         self.constants: list[Value] = []
         self.nodes: list[Node] = []
         self.outputs: list[Value] = []
+        self.sizes: dict[str, SizeRange] = {}
+        """The range of each named size of the graph's symbolic shapes."""
         self._names: set[str] = set()
         self._const_index: dict[tuple, Value] = {}
         self._next_id = 0
@@ -298,6 +300,7 @@ class Graph:
 
     def clone_with_map(self) -> tuple[Graph, dict[Value, Value]]:
         g = Graph(self.name)
+        g.sizes = dict(self.sizes)
         g._names = set(self._names)
         g._next_id = self._next_id
         vmap: dict[Value, Value] = {}

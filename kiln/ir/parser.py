@@ -14,15 +14,17 @@ comment that runs to the end of the line.
 Grammar (``[x]`` optional, ``x*`` repeated, ``|`` alternatives)::
 
     graph     := "graph" @name "(" [decl ("," decl)*] ")" ["params" "(" [decl ("," decl)*] ")"]
+                 ["sizes" "(" [name ":" "[" int "," (int | inf) "]" ...] ")"]
                  "{" stmt* "return" [%v ("," %v)*] "}"
     decl      := %name ":" type                        (%"any name": JSON-quoted, see below)
-    type      := dtype "[" [dim ("," dim)*] "]"          dim := int | symbol
+    type      := dtype "[" [dim ("," dim)*] "]"          dim := int | size
+    size      := a size expression: names, ints, + - * ( ), floor(a/b), Mod, Max, Min (``2*seq``)
     stmt      := [decl ("," decl)*] "=" (const | op)
     const     := "const" (scalar | "[" [scalar ("," scalar)*] "]" | hex"<little-endian bytes>")
     op        := name "(" [%v ("," %v)*] ")" ["{" [attr ("," attr)*] "}"]
     attr      := name "=" value
     value     := int | float | inf | nan | "json string" | true | false | none | dtype
-                 | "[" [value ("," value)*] "]" | graph
+                 | "[" [value ("," value)*] "]" | graph | "size" "(" size ")"
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from .errors import OpTypeError, ParseError
 from .graph import Graph, Value
 from .printer import PLAIN_GRAPH_NAME
 from .registry import OpDef, get_op, has_op
-from .types import Dim, DType, SymDim, TensorType
+from .types import Dim, DType, SizeRange, TensorType, as_dim, parse_size
 
 __all__ = ["parse"]
 
@@ -57,6 +59,7 @@ _TOKEN_RE = re.compile(
     |(?P<number>-?(?:[0-9]+(?:\.[0-9]*)?(?:[eE][+-]?[0-9]+)?|(?:inf|nan)(?![A-Za-z0-9_.])))
     |(?P<ident>[A-Za-z_][A-Za-z0-9_.]*)
     |(?P<punct>[()\[\]{{}},:=])
+    |(?P<op>[*+/])
     """,
     re.VERBOSE,
 )
@@ -192,6 +195,9 @@ class _Parser:
         if self._accept("ident", "params"):
             self._expect("punct", "(")
             self._comma_list(")", lambda: self._signature_entry(scope, "param"))
+        if self._accept("ident", "sizes"):
+            self._expect("punct", "(")
+            self._comma_list(")", lambda: self._size_range(scope))
         open_tok = self._expect("punct", "{", what="'{' to open the graph body")
         while not self._at("ident", "return"):
             tok = self.lex.current
@@ -270,15 +276,60 @@ class _Parser:
         return TensorType(tuple(shape), dtype)
 
     def _dim(self) -> Dim:
-        tok = self.lex.advance()
-        if tok.kind == "ident":
-            return SymDim(tok.text)
-        if tok.kind == "number" and tok.text.isdigit():
-            return int(tok.text)
+        tok = self.lex.current
+        if tok.kind in ("ident", "number", "op") or (tok.kind == "punct" and tok.text == "("):
+            return self._size_expression(tok, "bad type: dimension")
+        self.lex.advance()
         raise self._error(
-            f"bad type: dimension {_describe(tok)} is neither a non-negative integer nor a symbol name",
+            f"bad type: dimension {_describe(tok)} is neither a non-negative integer nor a size expression",
             tok,
         )
+
+    def _size_expression(self, start: _Token, what: str) -> Dim:
+        """Tokens up to the next ',' / ']' (or an unmatched ')') read as one size."""
+        parts: list[str] = []
+        depth = 0
+        while True:
+            tok = self.lex.current
+            if tok.kind == "eof":
+                break
+            if tok.kind == "punct":
+                if tok.text in (",", "]") and depth == 0:
+                    break
+                if tok.text == ")":
+                    if depth == 0:
+                        break
+                    depth -= 1
+                elif tok.text == "(":
+                    depth += 1
+                elif tok.text != ",":
+                    break
+            elif tok.kind not in ("ident", "number", "op"):
+                break
+            parts.append(tok.text)
+            self.lex.advance()
+        text = " ".join(parts)
+        try:
+            dim = int(text) if text.isdigit() else as_dim(parse_size(text))
+        except (ValueError, TypeError) as e:
+            raise self._error(f"{what} {text!r}: {e}", start) from None
+        if isinstance(dim, int) and dim < 0:
+            raise self._error(f"{what} {text!r} is neither a non-negative integer nor a size expression", start)
+        return dim
+
+    def _size_range(self, scope: _Scope) -> None:
+        name_tok = self._expect("ident", what="a size name")
+        self._expect("punct", ":", what=f"':' after the size name {name_tok.text}")
+        self._expect("punct", "[", what="'[' and the range of the size")
+        lo_tok = self._expect("number", what="the least value of the size")
+        self._expect("punct", ",", what="',' in the size range")
+        hi_tok = self._expect("number", what="the greatest value of the size, or inf")
+        self._expect("punct", "]", what="']' after the size range")
+        try:
+            hi = None if hi_tok.text == "inf" else int(hi_tok.text)
+            scope.graph.sizes[name_tok.text] = SizeRange(int(lo_tok.text), hi)
+        except ValueError as e:
+            raise self._error(f"bad size range: {e}", lo_tok) from None
 
     # -------------------------------------------------------------- statements
     def _statement(self, scope: _Scope) -> None:
@@ -377,6 +428,12 @@ class _Parser:
             return tuple(self._comma_list("]", self._attr_value))
         if tok.kind == "ident" and tok.text == "graph":
             return self.graph()
+        if tok.kind == "ident" and tok.text == "size":
+            self.lex.advance()
+            self._expect("punct", "(", what="'(' after size")
+            value = self._size_expression(tok, "bad size")
+            self._expect("punct", ")", what="')' after the size")
+            return value
         if tok.kind == "ident" and tok.text in _KEYWORD_VALUES:
             self.lex.advance()
             return _KEYWORD_VALUES[tok.text]

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from .types import DType
+from .types import DType, SymDim
 
 INLINE_LIMIT = 32
 
@@ -73,6 +73,8 @@ def format_attr(value: Any, indent: str) -> str:
         return "none"
     if isinstance(value, DType):
         return value.short
+    if isinstance(value, SymDim):
+        return f"size({value})"
     if isinstance(value, int):
         return str(value)
     if isinstance(value, float):
@@ -100,6 +102,8 @@ def format_graph(graph, indent: str = "", locs: bool = False) -> str:
     head = f"graph @{format_graph_name(graph.name)}({sig})"
     if graph.params:
         head += " params(" + ", ".join(f"{format_value_name(v.name)}: {v.type}" for v in graph.params) + ")"
+    if graph.sizes:
+        head += " sizes(" + ", ".join(f"{n}: {r}" for n, r in sorted(graph.sizes.items())) + ")"
     lines = [head + " {"]
     for c in graph.constants:
         lines.append(f"{inner}{format_value_name(c.name)}: {c.type} = const {format_const(c.data, c.dtype)}")

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import OpTypeError, UnknownOpError
-from .types import DType, TensorType
+from .types import DType, SymDim, TensorType
 
 _REQUIRED = object()
 
@@ -90,8 +90,8 @@ class Attr:
             raise OpTypeError(op, f"attribute '{name}' must not be None (kind {self.kind})")
         k = self.kind
         ok = True
-        if k == "int":
-            ok = isinstance(value, int) and not isinstance(value, bool)
+        if k == "int":  # sizes may be symbolic
+            ok = isinstance(value, (int, SymDim)) and not isinstance(value, bool)
         elif k == "float":
             ok = isinstance(value, (int, float)) and not isinstance(value, bool)
             value = float(value) if ok else value
@@ -101,7 +101,7 @@ class Attr:
             ok = isinstance(value, str)
         elif k == "ints":
             ok = isinstance(value, (list, tuple)) and all(
-                isinstance(v, int) and not isinstance(v, bool) for v in value
+                isinstance(v, (int, SymDim)) and not isinstance(v, bool) for v in value
             )
             value = tuple(value) if ok else value
         elif k == "floats":
@@ -112,7 +112,7 @@ class Attr:
         elif k == "dtype":
             ok = isinstance(value, DType)
         elif k == "scalar":
-            ok = isinstance(value, (int, float, bool))
+            ok = isinstance(value, (int, float, bool, SymDim))
         elif k == "graph":
             ok = type(value).__name__ == "Graph"
         if not ok:

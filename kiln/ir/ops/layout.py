@@ -43,7 +43,7 @@ def _cat_infer(types, *, dim):
         if t.rank != first.rank or rest != first.shape[:axis] + first.shape[axis + 1:]:
             raise ValueError(f"operand {i} has shape {fmt_shape(t.shape)} but operand {parts[0]} has "
                              f"{fmt_shape(first.shape)}; only axis {axis} may differ")
-        total += static_dims([t.shape[axis]], "cat along a symbolic axis")[0]
+        total = total + t.shape[axis]
     dtype = reduce(promote, (t.dtype for t in types))
     return TensorType(first.shape[:axis] + (total,) + first.shape[axis + 1:], dtype)
 

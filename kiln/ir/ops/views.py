@@ -39,7 +39,7 @@ def _reshaped(src: Sequence[int], shape: Sequence[int]) -> tuple[int, ...]:
 
 def _reshape_infer(types, *, shape):
     t = types[0]
-    return t.with_shape(_reshaped(static_dims(t.shape, "reshape"), shape))
+    return t.with_shape(_reshaped(t.shape, shape))
 
 
 @defop("reshape", infer=_reshape_infer, attrs={"shape": Attr("ints")}, traits=("view", "whole_view"))
