@@ -31,6 +31,10 @@ def __getattr__(name: str):
 
         loops = importlib.import_module("kiln.loops")
         return loops if name == "loops" else loops.Schedule
+    if name == "schedule":  # kiln.schedule (model-level schedules) loads on first use
+        import importlib
+
+        return importlib.import_module("kiln.schedule")
     if name == "jax":  # kiln.jax loads jax on first use
         import importlib
 
@@ -38,4 +42,4 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'kiln' has no attribute {name!r}")
 
 __all__ = ["IllegalTransformError", "KilnError", "KilnFallbackWarning", "Schedule", "ScheduleError",
-           "UnsupportedOpError", "__version__", "capture", "compile", "compile_train", "jax", "loops"]
+           "UnsupportedOpError", "__version__", "capture", "compile", "compile_train", "jax", "loops", "schedule"]

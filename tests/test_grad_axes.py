@@ -164,6 +164,10 @@ CASES += [a("pad", f(*S3), pads=(1, 0)), a("pad", f(*S3), pads=(0, 0, 2, 1)),
 _MASK = np.where(rng.random((3, 5)) < 0.6, f(3, 5), -np.inf).astype(np.float32)
 _MASK[1] = -np.inf  # a query row with every key masked out
 CASES += [a("scaled_dot_product_attention", f(2, 3, 4), f(2, 5, 4), f(2, 5, 2), _MASK)]
+# collectives over each axis, world_size=1 (one process; across ranks: tests/test_schedule_dist.py)
+CASES += [a("all_gather", f(*S3), world_size=1, dim=d) for d in (0, 2, -1)]
+CASES += [a("reduce_scatter", f(*S3), world_size=1, dim=d) for d in (1, -3)]
+CASES += [a("all_to_all", f(*S3), world_size=1, split_dim=s, concat_dim=c) for s, c in ((0, 2), (-1, 1))]
 CASES += [a("matmul", x, y) for x, y in (
     (f(2, 1, 3, 4), f(5, 4, 2)), (f(4), f(2, 4, 3)), (f(2, 3, 4), f(4)), (f(1, 3, 4), f(2, 4, 5)),
     (f(3, 4), f(2, 2, 4, 5)), (f(2, 2, 3, 4), f(4, 5)), (f(2, 1, 3, 4), f(1, 2, 4, 2)))]

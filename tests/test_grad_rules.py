@@ -269,6 +269,11 @@ NONDIFFERENTIABLE |= {"frexp_exponent", "hermite_polynomial_h", "hermite_polynom
                       *(f"{s}chebyshev_polynomial_{k}" for s in ("", "shifted_") for k in "tuvw")}
 NONDIFFERENTIABLE |= {"max_pool2d_indices", "max_pool3d_indices"}  # integer positions
 NONDIFFERENTIABLE |= {"lu_permutation", "geqrf", "ldl", "ldl_solve"}  # from integer pivots; not differentiable in torch
+# Collectives: one process can only check world_size=1 (an identity) by finite differences;
+# their transposes over ranks are checked against one process in tests/test_schedule_dist.py
+TABLE += [g("all_reduce", f(2, 3), world_size=1), g("all_gather", f(2, 3), world_size=1, dim=1),
+          g("reduce_scatter", f(2, 3), world_size=1, dim=0),
+          g("all_to_all", f(2, 3), world_size=1, split_dim=1, concat_dim=0)]
 INLINED = {"fused"}  # autodiff inlines fused bodies before differentiating
 # custom_vjp's rule is the user's backward graph, typed for one dtype (no float64 twin for
 # finite differences): tests/test_custom_function.py checks it against finite differences

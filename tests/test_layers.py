@@ -34,6 +34,8 @@ def layer_of(module: str) -> str:
     top = parts[1]
     if top == "zoo":
         return "tools"
+    if top == "schedule":
+        return "compiler"  # kiln.schedule: model-level schedules, a public-API package
     if top in LAYERS:
         return top
     raise AssertionError(f"{module}: no layer is assigned to kiln.{top}; add it to LAYERS in {__file__}")

@@ -37,6 +37,8 @@ OLD_AXIS_ATTRS = {
         "argmax", "argmin", "cumsum", "softmax", "log_softmax", "slice", "select", "cat",
         "gather", "index_select")},
 }
+OLD_AXIS_ATTRS |= {"all_gather": ("dim", "axis"), "reduce_scatter": ("dim", "axis"),
+                   "all_to_all": ("split_dim", "axis")}  # the collectives (kiln/ir/ops/collectives.py)
 
 
 def _with_trait(trait: str) -> set[str]:

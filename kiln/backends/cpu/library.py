@@ -47,6 +47,9 @@ from kiln.ir import Node
 from kiln.ir.types import DType, normalize_dim
 from kiln.runtime.tensors import from_numpy, to_numpy
 
+from .attention import attention_call
+from .conv import native_conv
+
 
 def _matmul(node: Node, persistent: Sequence[bool] = ()) -> LibraryCall:
     def matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
@@ -68,8 +71,12 @@ def _conv(node: Node, persistent: Sequence[bool] = ()) -> LibraryCall:
     # or a gradient, as in the weight gradient of a convolution) is a new tensor at each call,
     # possibly at the address and version counter of the last one.
     if spatial == 2 and node.inputs[0].dtype.name == "float32" and _PACKED_CONV and len(persistent) > 1 and persistent[1]:
-        return LibraryCall(PackedConv2d(tuple(node.inputs[0].shape), stride, padding, dilation, groups), False,
-                           "oneDNN convolution, prepacked weight", channels_last=True)
+        packed = PackedConv2d(tuple(node.inputs[0].shape), stride, padding, dilation, groups)
+        # kiln's own depthwise / 1x1 / patchify kernels where they measure faster (.conv)
+        native = native_conv(node, packed)
+        if native is not None:
+            return native
+        return LibraryCall(packed, False, "oneDNN convolution, prepacked weight", channels_last=True)
 
     def convolution(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
         return conv(x, w, b, stride, padding, dilation, groups)
@@ -170,14 +177,20 @@ def _scatter_add(node: Node, persistent: Sequence[bool] = ()) -> LibraryCall:
     return LibraryCall(scatter_add, False, "torch.scatter_add")
 
 
+def _collective(node: Node, persistent: Sequence[bool] = ()) -> LibraryCall:
+    from kiln.ir.ops.collectives import torch_collective  # torch.distributed on the default group
+    return LibraryCall(torch_collective(node.op_name, dict(node.attrs)), False, f"torch.distributed {node.op_name}")
+
+
 LIBRARY: dict[str, Callable[[Node, Sequence[bool]], LibraryCall]] = {
     "matmul": _matmul,
     "conv": _conv,
     "conv_transpose": _conv_transpose,
-    "scaled_dot_product_attention": _sdpa,
+    "scaled_dot_product_attention": attention_call,  # kiln's fused kernel or _sdpa, by measurement
     "embedding": _embedding,
     "index_put": _index_put,
     "scatter_add": _scatter_add,
+    **{name: _collective for name in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")},
 }
 """Op name -> builder of the library call for a node of that op, given which operands
 are persistent (see :func:`library_call`)."""
