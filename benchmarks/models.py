@@ -152,6 +152,107 @@ def _images(size: int) -> Callable[[Shape], tuple[torch.Tensor, ...]]:
     return lambda shape: (torch.randn(shape.batch, 3, size, size),)
 
 
+# --------------------------------------------------------------------------- MobileNet-style
+
+
+class InvertedResidual(nn.Module):
+    """MobileNetV3's block without squeeze-excite: 1x1 expansion, k x k depthwise, 1x1
+    projection, each with batch norm; ReLU or hardswish; a residual when shapes allow."""
+
+    def __init__(self, cin: int, expand: int, cout: int, kernel: int, stride: int, hardswish: bool):
+        super().__init__()
+        act = nn.Hardswish if hardswish else nn.ReLU
+        layers: list[nn.Module] = []
+        if expand != cin:
+            layers += [nn.Conv2d(cin, expand, 1, bias=False), nn.BatchNorm2d(expand), act()]
+        layers += [nn.Conv2d(expand, expand, kernel, stride, kernel // 2, groups=expand, bias=False),
+                   nn.BatchNorm2d(expand), act(),
+                   nn.Conv2d(expand, cout, 1, bias=False), nn.BatchNorm2d(cout)]
+        self.body = nn.Sequential(*layers)
+        self.residual = stride == 1 and cin == cout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.body(x)
+        return x + y if self.residual else y
+
+
+# MobileNetV3-Small's blocks (kernel, expansion, out, hardswish, stride), squeeze-excite left out
+_MOBILENET_BLOCKS = ((3, 16, 16, False, 2), (3, 72, 24, False, 2), (3, 88, 24, False, 1), (5, 96, 40, True, 2),
+                     (5, 240, 40, True, 1), (5, 240, 40, True, 1), (5, 120, 48, True, 1), (5, 144, 48, True, 1),
+                     (5, 288, 96, True, 2), (5, 576, 96, True, 1), (5, 576, 96, True, 1))
+
+
+class MobileNet(nn.Module):
+    """A MobileNetV3-Small-style network: depthwise separable inverted residuals, batch
+    norm with non-trivial statistics, hardswish and ReLU, 1000 classes."""
+
+    def __init__(self, num_classes: int = 1000):
+        super().__init__()
+        layers: list[nn.Module] = [nn.Conv2d(3, 16, 3, 2, 1, bias=False), nn.BatchNorm2d(16), nn.Hardswish()]
+        cin = 16
+        for kernel, expand, cout, hardswish, stride in _MOBILENET_BLOCKS:
+            layers.append(InvertedResidual(cin, expand, cout, kernel, stride, hardswish))
+            cin = cout
+        layers += [nn.Conv2d(cin, 576, 1, bias=False), nn.BatchNorm2d(576), nn.Hardswish()]
+        self.features = nn.Sequential(*layers)
+        self.head = nn.Sequential(nn.Linear(576, 1024), nn.Hardswish(), nn.Linear(1024, num_classes))
+        for module in self.modules():
+            if isinstance(module, nn.BatchNorm2d):
+                nn.init.uniform_(module.weight, 0.5, 1.5)
+                nn.init.uniform_(module.bias, -0.1, 0.1)
+                module.running_mean.uniform_(-0.1, 0.1)
+                module.running_var.uniform_(0.5, 1.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.features(x)
+        return self.head(torch.flatten(nn.functional.adaptive_avg_pool2d(x, 1), 1))
+
+
+# --------------------------------------------------------------------------- ViT
+
+
+class ViTBlock(nn.Module):
+    """Pre-norm transformer encoder block: multi-head self-attention (SDPA) and a GELU MLP."""
+
+    def __init__(self, dim: int, heads: int, hidden: int):
+        super().__init__()
+        self.heads = heads
+        self.ln1 = nn.LayerNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.ln2 = nn.LayerNorm(dim)
+        self.fc1 = nn.Linear(dim, hidden)
+        self.fc2 = nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).reshape(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        attn = nn.functional.scaled_dot_product_attention(q, k, v)
+        x = x + self.proj(attn.transpose(1, 2).reshape(b, t, d))
+        return x + self.fc2(nn.functional.gelu(self.fc1(self.ln2(x))))
+
+
+class ViT(nn.Module):
+    """ViT-Tiny/16 (Dosovitskiy et al. 2021; 192 wide, 12 blocks, 3 heads): a 16x16
+    patchify convolution, learned position embeddings, global average pooling of the
+    tokens (the paper's GAP variant; no class token), 1000 classes."""
+
+    def __init__(self, image: int = 224, patch: int = 16, dim: int = 192, depth: int = 12, heads: int = 3,
+                 num_classes: int = 1000):
+        super().__init__()
+        self.patch = nn.Conv2d(3, dim, patch, stride=patch)
+        tokens = (image // patch) ** 2
+        self.pos = nn.Parameter(torch.randn(1, tokens, dim) * 0.02)
+        self.blocks = nn.Sequential(*(ViTBlock(dim, heads, 4 * dim) for _ in range(depth)))
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.patch(x).flatten(2).transpose(1, 2) + self.pos
+        x = self.norm(self.blocks(x))
+        return self.head(x.mean(dim=1))
+
+
 # --------------------------------------------------------------------------- transformers
 
 
@@ -199,6 +300,10 @@ MODELS: dict[str, ModelSpec] = {spec.name: spec for spec in (
     ModelSpec("mlp", "MLP 1024 -> 4096 -> 1024, GELU", _seeded(MLP), _features(1024),
               (Shape(1, quick=True), Shape(64, quick=True)), in_quick=True),
     ModelSpec("resnet18", "ResNet-18, 3x224x224 images, 1000 classes", _seeded(ResNet18), _images(224),
+              (Shape(1, quick=True), Shape(8))),
+    ModelSpec("mobilenet", "MobileNetV3-Small-style (no squeeze-excite), 3x224x224, 1000 classes",
+              _seeded(MobileNet), _images(224), (Shape(1, quick=True), Shape(8))),
+    ModelSpec("vit", "ViT-Tiny/16 (5.7M), 3x224x224, 1000 classes", _seeded(ViT), _images(224),
               (Shape(1, quick=True), Shape(8))),
     ModelSpec("gpt2", "GPT-2 small (124M), random weights, last hidden state", _seeded(build_gpt2),
               _token_ids(50257), (Shape(1, 128, quick=True), Shape(4, 128), Shape(1, 512), Shape(4, 512))),

@@ -1,0 +1,433 @@
+"""Fused attention on the CPU: a tiled, online-softmax (flash-style) C kernel with OpenMP.
+
+``out = softmax(q @ k^T * scale + mask) @ v`` without ever holding the ``L x S`` score
+matrix: each task takes one (batch, head, tile of :data:`QUERY_TILE` query rows) and walks
+the keys in blocks of :data:`KEY_BLOCK`.  Per block it copies the keys transposed into a
+per-thread scratch (``E x 64``, so the score row of a query is a sum of scaled rows of it:
+broadcast-multiply-adds across 64 keys, no horizontal reductions), adds the mask or applies
+the causal bound, and updates the running maximum, the running sum and the output
+accumulator of every query row (the accumulator is rescaled only when the maximum grows).
+Memory per thread: the transposed key block, the block's scores and the tile's accumulator.
+
+* **Causal** attention (``is_causal``: key ``j`` is seen by query ``i`` when ``j <= i``, the
+  top-left aligned triangle, as in the op's reference) stops each tile at its last row's key.
+* **Masks**: a bool mask keeps keys where true; a floating mask is added to the scores;
+  either broadcasts to ``[*batch, L, S]`` (read through strides, never expanded).
+* **GQA**: when the key/value heads ``Hk`` divide the query heads ``H``, query head ``h``
+  reads key head ``h // (H / Hk)`` (:func:`attention`); the graph op's broadcast heads
+  (``Hk = 1``) are the special case of one group.
+* **A row with every key masked out gives zeros** (not NaN), as the op's reference says.
+* ``exp`` is a Cody-Waite range reduction with a degree-6 polynomial (cephes' ``expf``,
+  relative error ~2e-7), written so that the compiler vectorizes it.
+
+:func:`attention_call` is the cpu backend's library call for ``scaled_dot_product_attention``:
+per shape signature, :class:`kiln.backends.cpu.standalone.KernelChooser` times this kernel
+against ``torch.nn.functional.scaled_dot_product_attention`` once and keeps the faster.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from kiln.backends.common.library import LibraryCall
+from kiln.ir import Node
+from kiln.runtime.tensors import torch_dtype
+
+from .standalone import KernelChooser, load_library, pointer, threads
+
+QUERY_TILE = 48
+"""Query rows per task (they share each transposed key block)."""
+KEY_BLOCK = 64
+"""Keys per block of the online softmax."""
+
+SOURCE = r"""
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define KA_AVX2 1
+#endif
+#define KA_QT %(qt)d
+#define KA_BK %(bk)d
+
+static inline float ka_exp(float x) {
+  if (x < -87.0f) x = -87.0f;
+  if (x > 88.0f) x = 88.0f;
+  float fn = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  /* round to nearest */
+  int n = (int)fn;
+  float r = x - fn * 0.693359375f + fn * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  int bits = (n + 127) << 23;
+  float two;
+  memcpy(&two, &bits, sizeof two);
+  return p * two;
+}
+
+/* s[j] = exp(s[j] - m) for the KA_BK scores of a row; -inf (masked) gives exactly 0 */
+#ifdef KA_AVX2
+static inline __m256 ka_exp8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  x = _mm256_min_ps(x, _mm256_set1_ps(88.0f));
+  __m256 fn = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                              _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(fn, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(fn, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fn), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+static inline void ka_exp_row(float *s, float m) {
+  __m256 vm = _mm256_set1_ps(m), ninf = _mm256_set1_ps(-INFINITY);
+  for (int j = 0; j < KA_BK; j += 8) {
+    __m256 x = _mm256_loadu_ps(s + j);
+    __m256 e = ka_exp8(_mm256_sub_ps(x, vm));
+    _mm256_storeu_ps(s + j, _mm256_andnot_ps(_mm256_cmp_ps(x, ninf, _CMP_EQ_OQ), e));
+  }
+}
+#else
+static inline void ka_exp_row(float *s, float m) {
+  for (int j = 0; j < KA_BK; j++) s[j] = s[j] == -INFINITY ? 0.0f : ka_exp(s[j] - m);
+}
+#endif
+
+/* c[6][16] (row stride ldc) (+)= a[kc][6] @ b[kc][16] (row stride ldb) */
+#ifdef KA_AVX2
+static inline void ka_tile(long kc, const float *a, const float *b, long ldb, float *c, long ldc, int acc) {
+  __m256 c00, c01, c10, c11, c20, c21, c30, c31, c40, c41, c50, c51;
+  if (acc) {
+    c00 = _mm256_loadu_ps(c); c01 = _mm256_loadu_ps(c + 8);
+    c10 = _mm256_loadu_ps(c + ldc); c11 = _mm256_loadu_ps(c + ldc + 8);
+    c20 = _mm256_loadu_ps(c + 2 * ldc); c21 = _mm256_loadu_ps(c + 2 * ldc + 8);
+    c30 = _mm256_loadu_ps(c + 3 * ldc); c31 = _mm256_loadu_ps(c + 3 * ldc + 8);
+    c40 = _mm256_loadu_ps(c + 4 * ldc); c41 = _mm256_loadu_ps(c + 4 * ldc + 8);
+    c50 = _mm256_loadu_ps(c + 5 * ldc); c51 = _mm256_loadu_ps(c + 5 * ldc + 8);
+  } else {
+    c00 = c01 = c10 = c11 = c20 = c21 = c30 = c31 = c40 = c41 = c50 = c51 = _mm256_setzero_ps();
+  }
+  for (long k = 0; k < kc; k++) {
+    __m256 b0 = _mm256_loadu_ps(b), b1 = _mm256_loadu_ps(b + 8), x;
+    x = _mm256_broadcast_ss(a + 0); c00 = _mm256_fmadd_ps(x, b0, c00); c01 = _mm256_fmadd_ps(x, b1, c01);
+    x = _mm256_broadcast_ss(a + 1); c10 = _mm256_fmadd_ps(x, b0, c10); c11 = _mm256_fmadd_ps(x, b1, c11);
+    x = _mm256_broadcast_ss(a + 2); c20 = _mm256_fmadd_ps(x, b0, c20); c21 = _mm256_fmadd_ps(x, b1, c21);
+    x = _mm256_broadcast_ss(a + 3); c30 = _mm256_fmadd_ps(x, b0, c30); c31 = _mm256_fmadd_ps(x, b1, c31);
+    x = _mm256_broadcast_ss(a + 4); c40 = _mm256_fmadd_ps(x, b0, c40); c41 = _mm256_fmadd_ps(x, b1, c41);
+    x = _mm256_broadcast_ss(a + 5); c50 = _mm256_fmadd_ps(x, b0, c50); c51 = _mm256_fmadd_ps(x, b1, c51);
+    a += 6; b += ldb;
+  }
+  _mm256_storeu_ps(c, c00); _mm256_storeu_ps(c + 8, c01);
+  _mm256_storeu_ps(c + ldc, c10); _mm256_storeu_ps(c + ldc + 8, c11);
+  _mm256_storeu_ps(c + 2 * ldc, c20); _mm256_storeu_ps(c + 2 * ldc + 8, c21);
+  _mm256_storeu_ps(c + 3 * ldc, c30); _mm256_storeu_ps(c + 3 * ldc + 8, c31);
+  _mm256_storeu_ps(c + 4 * ldc, c40); _mm256_storeu_ps(c + 4 * ldc + 8, c41);
+  _mm256_storeu_ps(c + 5 * ldc, c50); _mm256_storeu_ps(c + 5 * ldc + 8, c51);
+}
+#else
+static inline void ka_tile(long kc, const float *a, const float *b, long ldb, float *c, long ldc, int acc) {
+  float t[6][16];
+  for (int r = 0; r < 6; r++) for (int j = 0; j < 16; j++) t[r][j] = acc ? c[r * ldc + j] : 0.0f;
+  for (long k = 0; k < kc; k++)
+    for (int r = 0; r < 6; r++) for (int j = 0; j < 16; j++) t[r][j] += a[k * 6 + r] * b[k * ldb + j];
+  for (int r = 0; r < 6; r++) for (int j = 0; j < 16; j++) c[r * ldc + j] = t[r][j];
+}
+#endif
+
+/* out[b,h,i,:] = softmax_j(q[b,h,i,:] . k[b,h/group,j,:] * scale + mask[b,h,i,j]) v[b,h/group,j,:]
+   Last axes of q, k, v unit-stride; other strides in elements (0 for broadcast axes).
+   mkind: 0 none, 1 bool (keep where nonzero), 2 float32 (added).  Returns 1 without memory. */
+int kiln_attention_f32(long B, long H, long L, long S, long E, long Ev, long group,
+                       const float *q, long qb, long qh, long ql,
+                       const float *k, long kb, long kh, long ks,
+                       const float *v, long vb, long vh, long vs,
+                       const void *mask, int mkind, long mb, long mh, long ml, long ms,
+                       int causal, float scale, float *o, long ob, long oh, long ol, int nthreads) {
+  long tiles = (L + KA_QT - 1) / KA_QT;
+  /* a task is one (batch, head) and a chunk of its query tiles; the keys it reads are
+     packed once per task.  Heads are split into chunks only when there are fewer than
+     two per thread. */
+  long heads = B * H;
+  long chunks = heads >= 2 * nthreads ? 1 : (2 * nthreads + heads - 1) / heads;
+  if (chunks > tiles) chunks = tiles;
+  long per_chunk = chunks > 0 ? (tiles + chunks - 1) / chunks : 0;
+  long tasks = heads * chunks;
+  long evw = (Ev + 15) / 16 * 16;  /* accumulator row width */
+  long ev16 = Ev / 16 * 16;        /* columns the micro-kernel covers */
+  long spanels = (S + 15) / 16;
+  int failed = 0;
+  if (tasks <= 0) return 0;
+  #pragma omp parallel num_threads(nthreads) reduction(|:failed)
+  {
+    long e1 = E > 0 ? E : 1;
+    float *qp = (float *)aligned_alloc(64, sizeof(float) * (size_t)(KA_QT * e1));                /* [QT/6][E][6] */
+    float *kp = (float *)aligned_alloc(64, sizeof(float) * (size_t)((spanels + 1) * 16 * e1));  /* [S/16][E][16] */
+    float *acc = (float *)aligned_alloc(64, sizeof(float) * (size_t)(KA_QT * evw + 16));         /* [QT][evw] */
+    float s[6 * KA_BK] __attribute__((aligned(64)));
+    float pp[KA_BK * 6] __attribute__((aligned(64)));   /* P of 6 rows, [BK][6] */
+    float mrow[KA_QT], lrow[KA_QT];
+    if (!qp || !kp || !acc) failed = 1;
+    #pragma omp for schedule(dynamic, 1)
+    for (long task = 0; task < tasks; task++) {
+      if (!qp || !kp || !acc) continue;
+      long b = task / (H * chunks), h = (task / chunks) %% H, chunk = task %% chunks;
+      long t0 = chunk * per_chunk, t1 = t0 + per_chunk < tiles ? t0 + per_chunk : tiles;
+      if (t0 >= t1) continue;
+      const float *kt = k + b * kb + (h / group) * kh;
+      const float *vt = v + b * vb + (h / group) * vh;
+      long last = t1 * KA_QT < L ? t1 * KA_QT : L;
+      long kend = causal ? (last < S ? last : S) : S;
+      long kpad = (kend + 15) / 16 * 16;
+      for (long j = 0; j < kpad; j++) {
+        float *dst = kp + (j / 16) * E * 16 + j %% 16;
+        if (j < kend) {
+          const float *src = kt + j * ks;
+          for (long e = 0; e < E; e++) dst[e * 16] = src[e];
+        } else {
+          for (long e = 0; e < E; e++) dst[e * 16] = 0.0f;
+        }
+      }
+      for (long tile = t0; tile < t1; tile++) {
+      long i0 = tile * KA_QT;
+      long rows = L - i0 < KA_QT ? L - i0 : KA_QT;
+      long panels = (rows + 5) / 6;
+      const float *qt = q + b * qb + h * qh + i0 * ql;
+      float *ot = o + b * ob + h * oh + i0 * ol;
+      for (long mp = 0; mp < panels; mp++)
+        for (int r = 0; r < 6; r++) {
+          long row = mp * 6 + r;
+          float *dst = qp + mp * E * 6 + r;
+          if (row < rows) {
+            const float *src = qt + row * ql;
+            for (long e = 0; e < E; e++) dst[e * 6] = src[e] * scale;
+          } else {
+            for (long e = 0; e < E; e++) dst[e * 6] = 0.0f;
+          }
+        }
+      for (long r = 0; r < KA_QT; r++) { mrow[r] = -INFINITY; lrow[r] = 0.0f; }
+      memset(acc, 0, sizeof(float) * (size_t)(panels * 6 * evw));
+      long send = causal ? (i0 + rows < S ? i0 + rows : S) : S;
+      for (long j0 = 0; j0 < send; j0 += KA_BK) {
+        long w = send - j0 < KA_BK ? send - j0 : KA_BK;
+        long kpanels = (w + 15) / 16;
+        for (long mp = 0; mp < panels; mp++) {
+          long r0 = mp * 6;
+          if (causal && j0 > i0 + r0 + 5) continue;  /* no row of this panel sees the block */
+          for (long p = 0; p < kpanels; p++) ka_tile(E, qp + mp * E * 6, kp + (j0 / 16 + p) * E * 16, 16, s + p * 16, KA_BK, 0);
+          int any = 0;
+          for (int r = 0; r < 6; r++) {
+            long row = r0 + r, i = i0 + row;
+            float *sr = s + r * KA_BK;
+            long lim = w;
+            if (row >= rows) lim = 0;
+            if (causal && i - j0 + 1 < lim) lim = i - j0 + 1 > 0 ? i - j0 + 1 : 0;
+            if (lim > 0 && mkind == 1) {
+              const unsigned char *mr = (const unsigned char *)mask + b * mb + h * mh + i * ml + j0 * ms;
+              for (long j = 0; j < lim; j++) if (!mr[j * ms]) sr[j] = -INFINITY;
+            } else if (lim > 0 && mkind == 2) {
+              const float *mr = (const float *)mask + b * mb + h * mh + i * ml + j0 * ms;
+              for (long j = 0; j < lim; j++) sr[j] += mr[j * ms];
+            }
+            float mx = -INFINITY;
+            #pragma omp simd reduction(max:mx)
+            for (long j = 0; j < lim; j++) mx = sr[j] > mx ? sr[j] : mx;
+            if (mx == -INFINITY) {  /* nothing seen in this block */
+              for (long j = 0; j < KA_BK; j++) pp[j * 6 + r] = 0.0f;
+              continue;
+            }
+            any = 1;
+            float mold = mrow[row], mnew = mold > mx ? mold : mx;
+            for (long j = lim; j < KA_BK; j++) sr[j] = -INFINITY;
+            ka_exp_row(sr, mnew);
+            float lanes[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+            for (long j = 0; j < KA_BK; j += 8)
+              for (int u = 0; u < 8; u++) lanes[u] += sr[j + u];
+            float sum = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
+            for (long j = 0; j < KA_BK; j++) pp[j * 6 + r] = sr[j];
+            if (mold != mnew) {
+              float corr = mold == -INFINITY ? 0.0f : ka_exp(mold - mnew);
+              float *ar = acc + row * evw;
+              lrow[row] *= corr;
+              #pragma omp simd
+              for (long e = 0; e < Ev; e++) ar[e] *= corr;
+            }
+            lrow[row] += sum;
+            mrow[row] = mnew;
+          }
+          if (!any) continue;
+          float *ap = acc + r0 * evw;
+          for (long c0 = 0; c0 < ev16; c0 += 16) ka_tile(w, pp, vt + j0 * vs + c0, vs, ap + c0, evw, 1);
+          for (long c = ev16; c < Ev; c++)
+            for (int r = 0; r < 6; r++) {
+              float sum = ap[r * evw + c];
+              for (long j = 0; j < w; j++) sum += pp[j * 6 + r] * vt[(j0 + j) * vs + c];
+              ap[r * evw + c] = sum;
+            }
+        }
+      }
+      for (long r = 0; r < rows; r++) {
+        float inv = lrow[r] > 0.0f ? 1.0f / lrow[r] : 0.0f;
+        const float *ar = acc + r * evw;
+        float *orow = ot + r * ol;
+        #pragma omp simd
+        for (long e = 0; e < Ev; e++) orow[e] = ar[e] * inv;
+      }
+      }
+    }
+    free(qp);
+    free(kp);
+    free(acc);
+  }
+  return failed;
+}
+""" % {"qt": QUERY_TILE, "bk": KEY_BLOCK}
+
+_ARGTYPES = ([ctypes.c_long] * 7 + [ctypes.c_void_p] + [ctypes.c_long] * 3 + [ctypes.c_void_p] + [ctypes.c_long] * 3
+             + [ctypes.c_void_p] + [ctypes.c_long] * 3 + [ctypes.c_void_p, ctypes.c_int] + [ctypes.c_long] * 4
+             + [ctypes.c_int, ctypes.c_float, ctypes.c_void_p] + [ctypes.c_long] * 3 + [ctypes.c_int])
+
+
+def kernel() -> ctypes._CFuncPtr | None:
+    """The loaded ``kiln_attention_f32``, or ``None`` without a working C compiler."""
+    lib = load_library(SOURCE)
+    if lib is None:
+        return None
+    fn = lib.kiln_attention_f32
+    fn.argtypes, fn.restype = _ARGTYPES, ctypes.c_int
+    return fn
+
+
+def _as4(t: torch.Tensor, batch: tuple[int, ...]) -> torch.Tensor:
+    """``t`` ([*b, R, C], batch broadcast to ``batch``) as a 4-d ``[B, H, R, C]`` view."""
+    t = t.expand(*batch, *t.shape[-2:]) if tuple(t.shape[:-2]) != batch else t
+    if len(batch) == 0:
+        return t[None, None]
+    if len(batch) == 1:
+        return t[None]
+    if len(batch) == 2:
+        return t
+    return t.reshape(-1, *t.shape[-3:])
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None, *,
+              is_causal: bool = False, scale: float | None = None) -> torch.Tensor:
+    """Fused float32 attention with kiln's kernel (see the module docstring).
+
+    ``q [*batch, L, E]``, ``k [*batch_k, S, E]``, ``v [*batch_k, S, Ev]``; the batch axes
+    broadcast, or (GQA) the key/value heads (axis -3) divide the query heads.  ``mask``
+    (bool: keep where true; float: added) broadcasts to ``[*batch, L, S]``."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.float32:
+            raise TypeError(f"kiln attention takes float32 tensors; {name} is "
+                            f"{getattr(t, 'dtype', type(t).__name__)}")
+        if t.dim() < 2:
+            raise ValueError(f"{name} must be at least 2-d ([..., length, embedding]), got {tuple(t.shape)}")
+    L, E = q.shape[-2:]
+    S, Ek = k.shape[-2:]
+    if Ek != E:
+        raise ValueError(f"q has embedding size {E} but k has {Ek}")
+    if v.shape[-2] != S:
+        raise ValueError(f"k has {S} keys but v has {v.shape[-2]} values")
+    if is_causal and mask is not None:
+        raise ValueError("give either a mask or is_causal=True, not both")
+    group = 1
+    qbatch, kbatch = tuple(q.shape[:-2]), tuple(k.shape[:-2])
+    if tuple(v.shape[:-2]) != kbatch:
+        raise ValueError(f"k batch axes {kbatch} differ from v's {tuple(v.shape[:-2])}")
+    if (len(qbatch) >= 1 and len(kbatch) == len(qbatch) and kbatch[-1] not in (1, qbatch[-1])
+            and qbatch[-1] % kbatch[-1] == 0 and qbatch[:-1] == kbatch[:-1]):
+        group = qbatch[-1] // kbatch[-1]  # grouped-query attention
+        batch = qbatch
+        kbatch_b = kbatch
+    else:
+        try:
+            batch = tuple(torch.broadcast_shapes(qbatch, kbatch))
+        except RuntimeError:
+            raise ValueError(f"batch axes of q {qbatch} and k {kbatch} neither broadcast nor group") from None
+        kbatch_b = batch
+    Ev = v.shape[-1]
+    q4 = _as4(q, batch)
+    k4, v4 = _as4(k, kbatch_b), _as4(v, kbatch_b)
+    q4, k4, v4 = (t if t.shape[-1] <= 1 or t.stride(-1) == 1 else t.contiguous() for t in (q4, k4, v4))
+    B, H = q4.shape[:2]
+    out = torch.empty((B, H, L, Ev), dtype=torch.float32)
+    mkind, mt = 0, None
+    if mask is not None:
+        if mask.dtype == torch.bool:
+            mkind, mt = 1, mask
+        elif mask.dtype.is_floating_point:
+            mkind, mt = 2, mask.to(torch.float32)
+        else:
+            raise TypeError(f"mask must be bool (keep where true) or floating (added), got {mask.dtype}")
+        try:
+            mt = _as4(mt.expand(*batch, L, S), batch)
+        except RuntimeError:
+            raise ValueError(f"mask {tuple(mask.shape)} does not broadcast to the scores {(*batch, L, S)}") from None
+    fn = kernel()
+    if fn is None:
+        raise RuntimeError("kiln attention needs a C compiler with OpenMP (set $CC or install gcc)")
+    scale = 1.0 / math.sqrt(E) if scale is None else float(scale)
+    ms = mt.stride() if mt is not None else (0, 0, 0, 0)
+    failed = fn(B, H, L, S, E, Ev, group, pointer(q4), *q4.stride()[:3], pointer(k4), *k4.stride()[:3],
+                pointer(v4), *v4.stride()[:3], pointer(mt), mkind, *ms, int(bool(is_causal)), scale,
+                pointer(out), *out.stride()[:3], threads())
+    if failed:
+        raise MemoryError("kiln attention could not allocate its per-thread scratch")
+    return out.reshape(*batch, L, Ev)
+
+
+_CHOOSER = KernelChooser("attention")
+
+
+def _random_like(node: Node) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    tensors = []
+    for value in node.inputs:
+        shape = tuple(value.shape)
+        if value.dtype.name == "bool":
+            tensors.append(torch.rand(shape, generator=gen) < 0.8)
+        else:
+            tensors.append(torch.randn(shape, generator=gen).to(torch_dtype(value.dtype)))
+    return tensors
+
+
+def attention_call(node: Node, persistent: Sequence[bool] = ()) -> LibraryCall:
+    """The library call of a ``scaled_dot_product_attention`` node: kiln's kernel where it
+    applies (float32, static shapes) and measures faster than torch's, else torch's SDPA."""
+    is_causal, scale = node.attrs["is_causal"], node.attrs["scale"]
+
+    def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale)
+
+    def fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        return attention(q, k, v, mask, is_causal=is_causal, scale=scale)
+
+    torch_call = LibraryCall(sdpa, False, "torch.nn.functional.scaled_dot_product_attention")
+    if (any(v.dtype.name != "float32" for v in node.inputs[:3])
+            or any(not isinstance(d, int) for v in node.inputs for d in v.shape) or kernel() is None):
+        return torch_call
+    signature = f"{[tuple(v.shape) for v in node.inputs]} {[v.dtype.name for v in node.inputs]} causal={is_causal}"
+    args = _random_like(node)
+    with torch.inference_mode():
+        choice = _CHOOSER.choose(signature, lambda: fused(*args), lambda: sdpa(*args))
+    if choice == "kiln":
+        return LibraryCall(fused, False, "kiln fused attention (flash-style, OpenMP)")
+    return torch_call
+
+
+__all__ = ["KEY_BLOCK", "QUERY_TILE", "SOURCE", "attention", "attention_call", "kernel"]

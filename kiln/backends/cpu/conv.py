@@ -1,0 +1,452 @@
+"""kiln's own 2-d float32 convolution kernels, chosen per shape against oneDNN by measurement.
+
+Two kernel kinds, both writing channels-last (NHWC) results, which the cpu partition keeps
+through convolution chains (:mod:`.partition`):
+
+* **Convolution as a GEMM on kiln's micro-kernel** (``kiln_conv_gemm_f32``), for ungrouped
+  1x1 convolutions and patchify convolutions (stride = kernel, no padding, as in a ViT's
+  patch embedding) -- and, correct for every ungrouped convolution, general ``k x k`` ones
+  too (an implicit GEMM).  ``out[(n,oh,ow), co] = sum_(c,kh,kw) x[n,c,ih,iw] w[co,c,kh,kw]``:
+  the weight, ``K x Cout`` with ``K = C*KH*KW``, is the B operand in 16-column panels (packed
+  once, again only when the parameter changes); the A operand is never materialized.  For a
+  1x1 stride-1 convolution of a contiguous channels-last input, A *is* the input (``M x C``,
+  row stride ``C``) and the micro-kernel broadcasts from six input rows in place, with no
+  packing at all; otherwise the
+  packing of each ``256 x 96`` block of A into 6-row micro-panels -- which every GEMM of
+  :mod:`.microgemm` does -- reads the input windows directly (per-block tables of the
+  ``k -> (c, kh, kw)`` offsets; zeros where padding is read), so there is no im2col copy.  The
+  6x16 register micro-kernel is :mod:`.microgemm`'s (its C source is included); the bias is
+  added to each tile right after its last store, while the tile is in cache.
+* **Depthwise convolution** (``groups = C_in = C_out``; ``kiln_conv_dw_f32``): a direct loop
+  on channels-last input, 4 output pixels x 16 channels in registers (eight 8-wide
+  accumulators), the taps walked with the weight reordered once to ``[KH][KW][C]`` so that
+  every load is contiguous along the channels; the bias is the accumulators' start value.
+  Threads split the (image, output row) grid.
+
+The batch norm and activation that follow a convolution stay in the generated epilogue
+kernel of the fused group (see :mod:`kiln.backends.common.select`), one pass over the
+result.
+
+:func:`native_conv` is what the cpu library table asks for a 2-d float32 convolution with a
+parameter weight: a :class:`~kiln.backends.common.library.LibraryCall` of kiln's kernel when
+one applies and :class:`~kiln.backends.cpu.standalone.KernelChooser` measures it faster than
+the oneDNN call on random inputs of the node's shapes (once per shape and machine), else
+``None`` (the caller keeps oneDNN).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from collections.abc import Callable
+
+import torch
+
+from kiln.backends.common.library import LibraryCall
+from kiln.ir import Node
+
+from . import microgemm
+from .standalone import KernelChooser, load_library, pointer, threads
+
+SOURCE = microgemm.SOURCE + r"""
+/* ------------------------------------------------------------------ unpacked A */
+/* c[rows][w] (row stride ldc) (+)= A[rows][kc] @ Bp[kc][16] with A read in place (row stride
+   lda): the 1x1 stride-1 convolution of a channels-last input, whose A is the input itself. */
+static void kcd_tile(long kc, const float *a, long lda, long rows, const float *bp, float *c, long ldc, int acc,
+                     long w) {
+  const float *r0 = a, *r1 = a + (rows > 1 ? 1 : 0) * lda, *r2 = a + (rows > 2 ? 2 : 0) * lda;
+  const float *r3 = a + (rows > 3 ? 3 : 0) * lda, *r4 = a + (rows > 4 ? 4 : 0) * lda;
+  const float *r5 = a + (rows > 5 ? 5 : 0) * lda;
+  float t[KMG_MR * KMG_NR];
+  int direct = rows == KMG_MR && w == KMG_NR;
+  float *dst = direct ? c : t;
+  long ldd = direct ? ldc : KMG_NR;
+  if (!direct)
+    for (long r = 0; r < KMG_MR; r++)
+      for (long j = 0; j < KMG_NR; j++) t[r * KMG_NR + j] = (acc && r < rows && j < w) ? c[r * ldc + j] : 0.0f;
+#ifdef KMG_AVX2
+  __m256 c00, c01, c10, c11, c20, c21, c30, c31, c40, c41, c50, c51;
+  if (acc || !direct) {
+    c00 = _mm256_loadu_ps(dst); c01 = _mm256_loadu_ps(dst + 8);
+    c10 = _mm256_loadu_ps(dst + ldd); c11 = _mm256_loadu_ps(dst + ldd + 8);
+    c20 = _mm256_loadu_ps(dst + 2 * ldd); c21 = _mm256_loadu_ps(dst + 2 * ldd + 8);
+    c30 = _mm256_loadu_ps(dst + 3 * ldd); c31 = _mm256_loadu_ps(dst + 3 * ldd + 8);
+    c40 = _mm256_loadu_ps(dst + 4 * ldd); c41 = _mm256_loadu_ps(dst + 4 * ldd + 8);
+    c50 = _mm256_loadu_ps(dst + 5 * ldd); c51 = _mm256_loadu_ps(dst + 5 * ldd + 8);
+  } else {
+    c00 = c01 = c10 = c11 = c20 = c21 = c30 = c31 = c40 = c41 = c50 = c51 = _mm256_setzero_ps();
+  }
+  for (long k = 0; k < kc; k++) {
+    __m256 b0 = _mm256_loadu_ps(bp), b1 = _mm256_loadu_ps(bp + 8), x;
+    x = _mm256_broadcast_ss(r0 + k); c00 = _mm256_fmadd_ps(x, b0, c00); c01 = _mm256_fmadd_ps(x, b1, c01);
+    x = _mm256_broadcast_ss(r1 + k); c10 = _mm256_fmadd_ps(x, b0, c10); c11 = _mm256_fmadd_ps(x, b1, c11);
+    x = _mm256_broadcast_ss(r2 + k); c20 = _mm256_fmadd_ps(x, b0, c20); c21 = _mm256_fmadd_ps(x, b1, c21);
+    x = _mm256_broadcast_ss(r3 + k); c30 = _mm256_fmadd_ps(x, b0, c30); c31 = _mm256_fmadd_ps(x, b1, c31);
+    x = _mm256_broadcast_ss(r4 + k); c40 = _mm256_fmadd_ps(x, b0, c40); c41 = _mm256_fmadd_ps(x, b1, c41);
+    x = _mm256_broadcast_ss(r5 + k); c50 = _mm256_fmadd_ps(x, b0, c50); c51 = _mm256_fmadd_ps(x, b1, c51);
+    bp += KMG_NR;
+  }
+  _mm256_storeu_ps(dst, c00); _mm256_storeu_ps(dst + 8, c01);
+  _mm256_storeu_ps(dst + ldd, c10); _mm256_storeu_ps(dst + ldd + 8, c11);
+  _mm256_storeu_ps(dst + 2 * ldd, c20); _mm256_storeu_ps(dst + 2 * ldd + 8, c21);
+  _mm256_storeu_ps(dst + 3 * ldd, c30); _mm256_storeu_ps(dst + 3 * ldd + 8, c31);
+  _mm256_storeu_ps(dst + 4 * ldd, c40); _mm256_storeu_ps(dst + 4 * ldd + 8, c41);
+  _mm256_storeu_ps(dst + 5 * ldd, c50); _mm256_storeu_ps(dst + 5 * ldd + 8, c51);
+#else
+  const float *rp[KMG_MR] = {r0, r1, r2, r3, r4, r5};
+  for (long k = 0; k < kc; k++)
+    for (long r = 0; r < KMG_MR; r++)
+      for (long j = 0; j < KMG_NR; j++) dst[r * ldd + j] += rp[r][k] * bp[k * KMG_NR + j];
+#endif
+  if (!direct)
+    for (long r = 0; r < rows; r++)
+      for (long j = 0; j < w; j++) c[r * ldc + j] = t[r * KMG_NR + j];
+}
+
+/* ------------------------------------------------------------------ convolution as GEMM */
+/* out[M][Cout] (+ bias) = A @ Bp with A(m, kk) = x[n, c, oh*sh - ph + kh*dh, ow*sw - pw + kw*dw]
+   (0 outside the input), m = (n, oh, ow), kk = (c, kh, kw); x's element (n,c,h,w) at
+   x[n*xn + c*xc + h*xh + w*xw]; Bp: K x Cout in 16-column panels.  Returns 1 without memory. */
+int kiln_conv_gemm_f32(long N, long C, long H, long W, long OH, long OW, long KH, long KW,
+                       long sh, long sw, long ph, long pw, long dh, long dw,
+                       const float *x, long xn, long xc, long xh, long xw,
+                       const float *Bp, long Cout, const float *bias, float *out, int nthreads) {
+  long M = N * OH * OW, K = C * KH * KW, panels = (Cout + KMG_NR - 1) / KMG_NR;
+  if (M <= 0 || Cout <= 0) return 0;
+  if (K <= 0) {
+    for (long m = 0; m < M; m++)
+      for (long j = 0; j < Cout; j++) out[m * Cout + j] = bias ? bias[j] : 0.0f;
+    return 0;
+  }
+  int checks = ph > 0 || pw > 0;
+  /* 1x1, stride 1, channels-last contiguous input: A is the input matrix [M][C] itself */
+  int inplace = KH == 1 && KW == 1 && sh == 1 && sw == 1 && !checks && xc == 1 && xw == C && xh == W * C
+                && (N == 1 || xn == H * W * C);
+  long mc_max = M < KMG_MC ? M : KMG_MC, kc_max = K < KMG_KC ? K : KMG_KC;
+  long mc_rounded = (mc_max + KMG_MR - 1) / KMG_MR * KMG_MR;
+  float *work = (float *)aligned_alloc(64, sizeof(float) * (size_t)(mc_rounded * kc_max));
+  long *koff = (long *)malloc(sizeof(long) * (size_t)kc_max);
+  long *kdh = (long *)malloc(sizeof(long) * (size_t)kc_max);
+  long *kdw = (long *)malloc(sizeof(long) * (size_t)kc_max);
+  if (!work || !koff || !kdh || !kdw) { free(work); free(koff); free(kdh); free(kdw); return 1; }
+  #pragma omp parallel num_threads(nthreads)
+  {
+    for (long pc = 0; pc < K; pc += KMG_KC) {
+      long kc = K - pc < KMG_KC ? K - pc : KMG_KC;
+      #pragma omp for schedule(static)
+      for (long k = 0; k < kc; k++) {
+        long kk = pc + k, c = kk / (KH * KW), kh = (kk / KW) % KH, kw = kk % KW;
+        kdh[k] = kh * dh; kdw[k] = kw * dw;
+        koff[k] = c * xc + kh * dh * xh + kw * dw * xw;
+      }
+      for (long ic = 0; ic < M; ic += KMG_MC) {
+        long mc = M - ic < KMG_MC ? M - ic : KMG_MC;
+        long blocks = (mc + KMG_MR - 1) / KMG_MR;
+        #pragma omp for schedule(static)
+        for (long ib = 0; ib < (inplace ? 0 : blocks); ib++) {
+          float *dst = work + ib * KMG_MR * kc;
+          long rows = mc - ib * KMG_MR < KMG_MR ? mc - ib * KMG_MR : KMG_MR;
+          long base[KMG_MR], ih0[KMG_MR], iw0[KMG_MR];
+          for (long r = 0; r < rows; r++) {
+            long m = ic + ib * KMG_MR + r, n = m / (OH * OW), oh = (m / OW) % OH, ow = m % OW;
+            ih0[r] = oh * sh - ph; iw0[r] = ow * sw - pw;
+            base[r] = n * xn + ih0[r] * xh + iw0[r] * xw;
+          }
+          for (long k = 0; k < kc; k++) {
+            float *d = dst + k * KMG_MR;
+            long off = koff[k];
+            if (!checks) {
+              for (long r = 0; r < rows; r++) d[r] = x[base[r] + off];
+            } else {
+              for (long r = 0; r < rows; r++) {
+                long ih = ih0[r] + kdh[k], iw = iw0[r] + kdw[k];
+                d[r] = (ih >= 0 && ih < H && iw >= 0 && iw < W) ? x[base[r] + off] : 0.0f;
+              }
+            }
+            for (long r = rows; r < KMG_MR; r++) d[r] = 0.0f;
+          }
+        }
+        int last = pc + kc >= K;
+        #pragma omp for collapse(2) schedule(static)
+        for (long p = 0; p < panels; p++) {
+          for (long ib = 0; ib < blocks; ib++) {
+            const float *bp = Bp + p * K * KMG_NR + pc * KMG_NR;
+            const float *ap = work + ib * KMG_MR * kc;
+            long n0 = p * KMG_NR, w = Cout - n0 < KMG_NR ? Cout - n0 : KMG_NR;
+            long m0 = ic + ib * KMG_MR, rows = mc - ib * KMG_MR < KMG_MR ? mc - ib * KMG_MR : KMG_MR;
+            float *c = out + m0 * Cout + n0;
+            if (inplace) kcd_tile(kc, x + m0 * C + pc, C, rows, bp, c, Cout, pc > 0, w);
+            else if (w == KMG_NR) kmg_tile(rows, kc, ap, bp, c, Cout, pc > 0);
+            else kmg_edge(kc, ap, bp, c, Cout, pc > 0, rows, w);
+            if (last && bias)
+              for (long r = 0; r < rows; r++)
+                for (long j = 0; j < w; j++) c[r * Cout + j] += bias[n0 + j];
+          }
+        }
+      }
+    }
+  }
+  free(work); free(koff); free(kdh); free(kdw);
+  return 0;
+}
+
+/* ------------------------------------------------------------------ depthwise */
+#define KDW_PX 4
+/* acc[p][0..cw) += x(pixel p)[c0..] * w[c0..] over the taps; a block of up to 4 output pixels
+   of one row and up to 16 channels (cw), AVX2 registers when available. */
+#if defined(__AVX2__) && defined(__FMA__)
+static inline __m256i kdw_mask(long n) {
+  const int idx[8] = {0, 1, 2, 3, 4, 5, 6, 7};
+  __m256i i = _mm256_loadu_si256((const __m256i *)idx);
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)n), i);
+}
+#define KDW_LOAD(p, m) (full ? _mm256_loadu_ps(p) : _mm256_maskload_ps(p, m))
+static inline __attribute__((always_inline)) void kdw_block(
+    const float *xi, long xh, long xw, const float *wt, long C, long c0, long cw, const float *bias, long H,
+    long W, long KH, long KW, long sw, long pw, long dh, long dw, long ih0, long ow, long px, float *orow,
+    const int full, const int inside) {
+  __m256i m0 = kdw_mask(cw), m1 = kdw_mask(cw - 8);
+  __m256 b0 = bias ? _mm256_maskload_ps(bias + c0, m0) : _mm256_setzero_ps();
+  __m256 b1 = bias ? _mm256_maskload_ps(bias + c0 + 8, m1) : _mm256_setzero_ps();
+  __m256 a00 = b0, a01 = b1, a10 = b0, a11 = b1, a20 = b0, a21 = b1, a30 = b0, a31 = b1;
+  for (long kh = 0; kh < KH; kh++) {
+    long ih = ih0 + kh * dh;
+    if (ih < 0 || ih >= H) continue;
+    const float *xr = xi + ih * xh + c0;
+    for (long kw = 0; kw < KW; kw++) {
+      const float *wp = wt + (kh * KW + kw) * C + c0;
+      __m256 w0 = KDW_LOAD(wp, m0), w1 = KDW_LOAD(wp + 8, m1);
+      long iw = ow * sw - pw + kw * dw;
+#define KDW_PIX(P, A0, A1) \
+      if ((full && inside) || (P < px && iw + P * sw >= 0 && iw + P * sw < W)) { \
+        const float *xp = xr + (iw + P * sw) * xw; \
+        A0 = _mm256_fmadd_ps(KDW_LOAD(xp, m0), w0, A0); \
+        A1 = _mm256_fmadd_ps(KDW_LOAD(xp + 8, m1), w1, A1); \
+      }
+      KDW_PIX(0, a00, a01) KDW_PIX(1, a10, a11) KDW_PIX(2, a20, a21) KDW_PIX(3, a30, a31)
+#undef KDW_PIX
+#undef KDW_LOAD
+    }
+  }
+  float *o = orow + ow * C + c0;
+  if (full && inside) {
+    _mm256_storeu_ps(o, a00); _mm256_storeu_ps(o + 8, a01); _mm256_storeu_ps(o + C, a10);
+    _mm256_storeu_ps(o + C + 8, a11); _mm256_storeu_ps(o + 2 * C, a20); _mm256_storeu_ps(o + 2 * C + 8, a21);
+    _mm256_storeu_ps(o + 3 * C, a30); _mm256_storeu_ps(o + 3 * C + 8, a31);
+    return;
+  }
+  _mm256_maskstore_ps(o, m0, a00); _mm256_maskstore_ps(o + 8, m1, a01);
+  if (px > 1) { _mm256_maskstore_ps(o + C, m0, a10); _mm256_maskstore_ps(o + C + 8, m1, a11); }
+  if (px > 2) { _mm256_maskstore_ps(o + 2 * C, m0, a20); _mm256_maskstore_ps(o + 2 * C + 8, m1, a21); }
+  if (px > 3) { _mm256_maskstore_ps(o + 3 * C, m0, a30); _mm256_maskstore_ps(o + 3 * C + 8, m1, a31); }
+}
+#else
+static inline void kdw_block(const float *xi, long xh, long xw, const float *wt, long C, long c0, long cw,
+                             const float *bias, long H, long W, long KH, long KW, long sw, long pw, long dh, long dw,
+                             long ih0, long ow, long px, float *orow, const int full, const int inside) {
+  (void)full; (void)inside;
+  float acc[KDW_PX][16];
+  for (long p = 0; p < px; p++)
+    for (long c = 0; c < cw; c++) acc[p][c] = bias ? bias[c0 + c] : 0.0f;
+  for (long kh = 0; kh < KH; kh++) {
+    long ih = ih0 + kh * dh;
+    if (ih < 0 || ih >= H) continue;
+    for (long kw = 0; kw < KW; kw++) {
+      const float *wp = wt + (kh * KW + kw) * C + c0;
+      for (long p = 0; p < px; p++) {
+        long iw = (ow + p) * sw - pw + kw * dw;
+        if (iw < 0 || iw >= W) continue;
+        const float *xp = xi + ih * xh + iw * xw + c0;
+        for (long c = 0; c < cw; c++) acc[p][c] += xp[c] * wp[c];
+      }
+    }
+  }
+  for (long p = 0; p < px; p++)
+    for (long c = 0; c < cw; c++) orow[(ow + p) * C + c0 + c] = acc[p][c];
+}
+#endif
+
+/* out[n,oh,ow,c] (NHWC) = bias[c] + sum_(kh,kw) x[n, ih, iw, c] wt[kh][kw][c];
+   x's element (n,c,h,w) at x[n*xn + c + h*xh + w*xw] (channels unit-stride). */
+void kiln_conv_dw_f32(long N, long C, long H, long W, long OH, long OW, long KH, long KW,
+                      long sh, long sw, long ph, long pw, long dh, long dw,
+                      const float *x, long xn, long xh, long xw,
+                      const float *wt, const float *bias, float *out, int nthreads) {
+  #pragma omp parallel for collapse(2) schedule(static) num_threads(nthreads)
+  for (long n = 0; n < N; n++) {
+    for (long oh = 0; oh < OH; oh++) {
+      float *orow = out + (n * OH + oh) * OW * C;
+      for (long ow = 0; ow < OW; ow += KDW_PX) {
+        long px = OW - ow < KDW_PX ? OW - ow : KDW_PX;
+        /* every tap of the block's pixels inside the row: no bounds checks */
+        int inside = px == KDW_PX && ow * sw - pw >= 0 && (ow + px - 1) * sw - pw + (KW - 1) * dw < W;
+        const float *xi = x + n * xn;
+        long ih0 = oh * sh - ph, c0 = 0;
+        if (inside)
+          for (; c0 + 16 <= C; c0 += 16)
+            kdw_block(xi, xh, xw, wt, C, c0, 16, bias, H, W, KH, KW, sw, pw, dh, dw, ih0, ow, px, orow, 1, 1);
+        for (; c0 < C; c0 += 16)
+          kdw_block(xi, xh, xw, wt, C, c0, C - c0 < 16 ? C - c0 : 16, bias, H, W, KH, KW, sw, pw, dh, dw, ih0, ow,
+                    px, orow, 0, 0);
+      }
+    }
+  }
+}
+"""
+
+_L = ctypes.c_long
+_P = ctypes.c_void_p
+
+
+def _kernels() -> tuple[ctypes._CFuncPtr, ctypes._CFuncPtr] | None:
+    lib = load_library(SOURCE)
+    if lib is None:
+        return None
+    gemm, dw = lib.kiln_conv_gemm_f32, lib.kiln_conv_dw_f32
+    gemm.argtypes = [_L] * 14 + [_P] + [_L] * 4 + [_P, _L, _P, _P, ctypes.c_int]
+    gemm.restype = ctypes.c_int
+    dw.argtypes = [_L] * 14 + [_P] + [_L] * 3 + [_P, _P, _P, ctypes.c_int]
+    dw.restype = None
+    return gemm, dw
+
+
+def kind(x_shape: tuple[int, ...], w_shape: tuple[int, ...], stride: tuple[int, ...], padding: tuple[int, ...],
+         dilation: tuple[int, ...], groups: int) -> str | None:
+    """Which kiln kernel a 2-d convolution is for: ``"depthwise"``, ``"gemm"`` (1x1 or
+    patchify; :func:`conv2d` runs any ungrouped convolution as an implicit GEMM, but only
+    these two are offered against oneDNN) or ``None``."""
+    c, cout, (kh, kw) = x_shape[1], w_shape[0], w_shape[2:]
+    if groups > 1:
+        return "depthwise" if groups == c == cout and w_shape[1] == 1 else None
+    if (kh, kw) == (1, 1) and tuple(padding) == (0, 0):
+        return "gemm"
+    if tuple(stride) == (kh, kw) and tuple(padding) == (0, 0) and tuple(dilation) == (1, 1):
+        return "gemm"
+    return None
+
+
+def _out_size(size: int, k: int, s: int, p: int, d: int) -> int:
+    return (size + 2 * p - d * (k - 1) - 1) // s + 1
+
+
+class KilnConv2d:
+    """A 2-d float32 convolution on kiln's kernels (``"gemm"`` or ``"depthwise"``), with
+    the weight packed once and again only when the parameter's storage or version changes.
+    Returns the NCHW result stored channels-last."""
+
+    def __init__(self, kernel_kind: str, stride: tuple[int, ...], padding: tuple[int, ...],
+                 dilation: tuple[int, ...], groups: int):
+        if kernel_kind not in ("gemm", "depthwise"):
+            raise ValueError(f"unknown kiln convolution kind {kernel_kind!r} (gemm, depthwise)")
+        kernels = _kernels()
+        if kernels is None:
+            raise RuntimeError("kiln convolutions need a C compiler with OpenMP (set $CC or install gcc)")
+        self.kind = kernel_kind
+        self.stride, self.padding, self.dilation, self.groups = tuple(stride), tuple(padding), tuple(dilation), groups
+        self._gemm, self._dw = kernels
+        self._packed: tuple[int, int, torch.Tensor] | None = None
+        self._lock = threading.Lock()
+
+    def _weight(self, w: torch.Tensor) -> torch.Tensor:
+        key = (w.data_ptr(), -1 if w.is_inference() else w._version)
+        packed = self._packed
+        if key[1] < 0:  # an inference tensor has no version counter: never reuse its packing
+            packed = None
+        if packed is not None and packed[:2] == key:
+            return packed[2]
+        with self._lock:
+            w = w.detach()
+            if self.kind == "gemm":
+                cout = w.shape[0]
+                b = w.reshape(cout, -1).t()  # K x Cout, k = (c, kh, kw)
+                weight = torch.empty(microgemm.packed_shape(b.shape[0], cout), dtype=torch.float32)
+                microgemm.pack_panels(b, weight)
+            else:
+                weight = w[:, 0].permute(1, 2, 0).contiguous()  # [KH][KW][C]
+            self._packed = (*key, weight)
+        return weight
+
+    def __call__(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+        if x.dtype != torch.float32 or w.dtype != torch.float32 or x.dim() != 4 or w.dim() != 4:
+            raise TypeError(f"kiln conv2d takes 4-d float32 input and weight, got {x.dtype} "
+                            f"{tuple(x.shape)} and {w.dtype} {tuple(w.shape)}")
+        n, c, h, wd = x.shape
+        cout, cin_g, kh, kw = w.shape
+        if cin_g * self.groups != c:
+            raise ValueError(f"weight {tuple(w.shape)} with groups={self.groups} does not match "
+                             f"{c} input channels")
+        if b is not None and tuple(b.shape) != (cout,):
+            raise ValueError(f"bias has shape {tuple(b.shape)}, expected ({cout},)")
+        (sh, sw), (ph, pw), (dh, dw) = self.stride, self.padding, self.dilation
+        oh, ow = _out_size(h, kh, sh, ph, dh), _out_size(wd, kw, sw, pw, dw)
+        if oh < 1 or ow < 1:
+            raise ValueError(f"convolution output {oh}x{ow} is empty for input {tuple(x.shape)}")
+        weight = self._weight(w)
+        bias = b.detach().contiguous().to(torch.float32) if b is not None else None
+        out = torch.empty((n, oh, ow, cout), dtype=torch.float32)
+        if self.kind == "gemm":
+            failed = self._gemm(n, c, h, wd, oh, ow, kh, kw, sh, sw, ph, pw, dh, dw, pointer(x), *x.stride(),
+                                pointer(weight), cout, pointer(bias), pointer(out), threads())
+            if failed:
+                raise MemoryError("kiln conv2d could not allocate its packing buffers")
+        else:
+            if c > 1 and x.stride(1) != 1:
+                x = x.contiguous(memory_format=torch.channels_last)
+            sn, _, sy, sx = x.stride()
+            self._dw(n, c, h, wd, oh, ow, kh, kw, sh, sw, ph, pw, dh, dw, pointer(x), sn, sy, sx,
+                     pointer(weight), pointer(bias), pointer(out), threads())
+        return out.permute(0, 3, 1, 2)
+
+
+def conv2d(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, *, stride=(1, 1), padding=(0, 0),
+           dilation=(1, 1), groups: int = 1) -> torch.Tensor:
+    """A float32 2-d convolution on kiln's kernels (depthwise when ``groups`` equals the
+    channels, else the implicit GEMM, which needs ``groups = 1``); NCHW in and out (the
+    result stored channels-last)."""
+    if groups == 1:
+        kernel_kind = "gemm"
+    elif x.dim() == 4 and groups == x.shape[1] == w.shape[0] and w.shape[1] == 1:
+        kernel_kind = "depthwise"
+    else:
+        raise ValueError(f"kiln conv2d runs groups=1 or depthwise convolutions (groups = channels, one "
+                         f"filter each); got groups={groups} for input {tuple(x.shape)}, weight {tuple(w.shape)}")
+    return KilnConv2d(kernel_kind, _pair(stride), _pair(padding), _pair(dilation), groups)(x, w, b)
+
+
+def _pair(v) -> tuple[int, int]:
+    return (v, v) if isinstance(v, int) else tuple(v)
+
+
+_CHOOSER = KernelChooser("conv2d")
+
+
+def native_conv(node: Node, library: Callable[..., torch.Tensor]) -> LibraryCall | None:
+    """kiln's kernel for the 2-d float32 convolution ``node`` when one applies and measures
+    faster than ``library`` (the oneDNN call) on random inputs of the node's shapes; else
+    ``None``."""
+    a = node.attrs
+    x_type, w_type = node.inputs[0].type, node.inputs[1].type
+    shapes = [tuple(v.shape) for v in node.inputs]
+    if (any(not isinstance(d, int) for s in shapes for d in s) or x_type.dtype.name != "float32"
+            or w_type.dtype.name != "float32" or len(shapes[0]) != 4):
+        return None
+    stride, padding, dilation, groups = tuple(a["stride"]), tuple(a["padding"]), tuple(a["dilation"]), a["groups"]
+    kernel_kind = kind(shapes[0], shapes[1], stride, padding, dilation, groups)
+    if kernel_kind is None or _kernels() is None:
+        return None
+    conv = KilnConv2d(kernel_kind, stride, padding, dilation, groups)
+    gen = torch.Generator().manual_seed(0)
+    with torch.inference_mode(False):  # like parameters: tensors with version counters
+        x = torch.randn(shapes[0], generator=gen)
+        if kernel_kind == "depthwise":  # inside a conv chain the input is channels-last
+            x = x.contiguous(memory_format=torch.channels_last)
+        args = [x] + [torch.randn(s, generator=gen) for s in shapes[1:]]
+    signature = f"{kernel_kind} {shapes} stride={stride} padding={padding} dilation={dilation} groups={groups}"
+    with torch.inference_mode():
+        choice = _CHOOSER.choose(signature, lambda: conv(*args), lambda: library(*args))
+    if choice != "kiln":
+        return None
+    return LibraryCall(conv, False, f"kiln {kernel_kind} convolution", channels_last=True)
+
+
+__all__ = ["SOURCE", "KilnConv2d", "conv2d", "kind", "native_conv"]

@@ -1,0 +1,115 @@
+"""Standalone native kernels of the cpu backend that library calls run: building, loading,
+and choosing them per shape by measurement.
+
+Some library calls of the cpu backend (:mod:`.attention`, :mod:`.conv`) run kiln's own C
+kernels instead of an ATen kernel when that measures faster.  Each such kernel family is one
+C source compiled into a shared object by the backend's C toolchain and kept in the compile
+cache (:func:`load_library`: built once per source, compiler and machine, then loaded from
+the cache), called through ``ctypes`` on the data pointers of torch tensors.
+
+:class:`KernelChooser` decides, per kernel family and shape signature, between kiln's kernel
+and the existing implementation: both are called in turn on random inputs of the node's
+shapes for a few rounds, each one's best time counts (a disturbance by other processes then
+hits both alike), and the choice is kept in ``kernels.json`` of the compile cache folder,
+keyed by machine (a digest of the compiler's and the CPU's identity), threads and
+signature, so each shape is timed once per machine.
+``KILN_NATIVE_KERNELS`` overrides the measurement: ``0`` never uses kiln's kernels, ``1``
+always does where they apply (tests use both).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from kiln.backends.common.choices import ChoiceStore
+from kiln.backends.common.toolchain import build_cached
+from kiln.runtime.cache import CompileCache, default_cache_dir
+from kiln.runtime.timing import best_time
+
+from . import toolchain
+
+ENV_VAR = "KILN_NATIVE_KERNELS"
+"""``0``: never use kiln's standalone kernels; ``1``: always (where they apply); unset: measure."""
+CHOICES = ("kiln", "library")
+
+
+@functools.lru_cache(maxsize=16)
+def load_library(source: str) -> ctypes.CDLL | None:
+    """The shared object built from ``source`` by the cpu toolchain (from the compile cache,
+    built on a miss); ``None`` when there is no C compiler or the build fails, so callers
+    fall back to the library implementation."""
+    cc = toolchain.c_compiler()
+    if cc is None:
+        return None
+    try:
+        cache = CompileCache()
+        entry = build_cached(toolchain.cpu_compiler(cc), source, cache, manifest={"kernels": []})
+        return ctypes.CDLL(str(Path(entry.library)))
+    except (OSError, toolchain.CompileError):
+        return None
+
+
+def threads() -> int:
+    """Threads a kernel call uses: torch's (the OpenMP pool kiln's kernels share)."""
+    return max(1, torch.get_num_threads())
+
+
+@functools.lru_cache(maxsize=4)
+def _store(directory: str) -> ChoiceStore:
+    return ChoiceStore(Path(directory) / "kernels.json", lambda v: v in CHOICES, ".kernels.")
+
+
+@functools.lru_cache(maxsize=1)
+def _machine() -> str:
+    cc = toolchain.c_compiler()
+    identity = toolchain.compiler_identity(cc) if cc else "no-cc"
+    return hashlib.sha256(identity.encode()).hexdigest()[:16]
+
+
+class KernelChooser:
+    """Chooses between kiln's kernel and the library implementation of one kernel family
+    (``family``) by timing both (see the module docstring)."""
+
+    def __init__(self, family: str, rounds: int = 5):
+        self.family = family
+        self.rounds = rounds
+
+    def choose(self, signature: str, kiln: Callable[[], object], library: Callable[[], object]) -> str:
+        """``"kiln"`` or ``"library"`` for ``signature``: remembered, forced by
+        ``KILN_NATIVE_KERNELS``, or measured now with the two zero-argument callables."""
+        forced = os.environ.get(ENV_VAR)
+        if forced in ("0", "1"):
+            return "kiln" if forced == "1" else "library"
+        store = _store(str(default_cache_dir()))
+        key = f"{_machine()}|threads={threads()}|{self.family}|{signature}"
+        known = store.get(key)
+        if known is not None:
+            return known
+        choice = self.measure(kiln, library)
+        store.put(key, choice)
+        return choice
+
+    def measure(self, kiln: Callable[[], object], library: Callable[[], object]) -> str:
+        """Time both in turn for ``rounds`` rounds; the one with the lower best time wins."""
+        best = {"kiln": float("inf"), "library": float("inf")}
+        for fn in (kiln, library):  # warm-up (first-call costs, packing)
+            fn()
+        for _ in range(self.rounds):
+            for name, fn in (("kiln", kiln), ("library", library)):
+                best[name] = min(best[name], best_time(fn, repeat=1, warmup=0))
+        return min(best, key=best.__getitem__)
+
+
+def pointer(t: torch.Tensor | None) -> ctypes.c_void_p:
+    """The data pointer of ``t`` (NULL for ``None``)."""
+    return ctypes.c_void_p(t.data_ptr() if t is not None else 0)
+
+
+__all__ = ["CHOICES", "ENV_VAR", "KernelChooser", "load_library", "pointer", "threads"]

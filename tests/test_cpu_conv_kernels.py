@@ -1,0 +1,169 @@
+"""kiln's own CPU convolution kernels (kiln/backends/cpu/conv.py) against the op's numpy
+reference and PyTorch eager: the implicit GEMM (1x1, patchify, general k x k with padding,
+stride and dilation) and the depthwise kernel, at odd sizes (1, 3, 17 and a large one), on
+NCHW and channels-last inputs; weight repacking after an in-place update; bad input; the
+per-shape choice of the library table and kiln's kernels inside compiled conv nets."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import kiln
+from kiln.backends.cpu import conv as conv_module
+from kiln.backends.cpu.conv import KilnConv2d, conv2d, kind, native_conv
+from kiln.backends.cpu.library import library_call
+from kiln.backends.cpu.standalone import ENV_VAR
+from kiln.ir import Graph, get_op
+from kiln.ir.types import DType, TensorType
+
+pytestmark = pytest.mark.skipif(conv_module._kernels() is None, reason="needs a C compiler with OpenMP")
+
+REFERENCE = get_op("conv").reference
+
+
+def _rel(got: torch.Tensor, want) -> float:
+    want = torch.as_tensor(np.asarray(want)).double()
+    return ((got.double() - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
+
+
+def _check(n, c, h, w, cout, k, stride=1, padding=0, dilation=1, groups=1, bias=True, channels_last=False, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, c, h, w, generator=g)
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    weight = torch.randn(cout, c // groups, k, k, generator=g)
+    b = torch.randn(cout, generator=g) if bias else None
+    got = conv2d(x, weight, b, stride=stride, padding=padding, dilation=dilation, groups=groups)
+    pair = lambda v: [v, v]  # noqa: E731
+    ref = REFERENCE(x.numpy(), weight.numpy(), None if b is None else b.numpy(), stride=pair(stride),
+                    padding=pair(padding), dilation=pair(dilation), groups=groups)
+    eager = F.conv2d(x, weight, b, stride, padding, dilation, groups)
+    assert got.shape == eager.shape
+    assert got.permute(0, 2, 3, 1).is_contiguous()  # channels-last result
+    assert _rel(got, ref) <= 1e-4 and _rel(got, eager) <= 1e-4
+
+
+@pytest.mark.parametrize("size", [1, 3, 17])
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_pointwise_gemm_odd_sizes(size, channels_last):
+    _check(1, size, size, size, size, 1, channels_last=channels_last)
+    _check(2, 3, size, size + 2, 17, 1, stride=2, bias=False, channels_last=channels_last)
+
+
+@pytest.mark.parametrize("size", [1, 3, 17])
+def test_general_and_patchify_gemm(size):
+    _check(2, 3, 17, 17, size, 3, stride=2, padding=1)          # k x k, padded: the implicit GEMM
+    _check(1, size, 2 * size + 1, 3 * size, 5, 3, dilation=2, padding=2, channels_last=True)
+    _check(1, 3, 4 * size, 4 * size, size, 4, stride=4)        # patchify
+
+
+def test_large_gemm_crosses_blocks():
+    # K = 3*16*16 = 768 > one 256-deep block, M = 196 > one 96-row block, Cout = 1000
+    _check(1, 3, 224, 224, 1000, 16, stride=16, seed=1)
+    _check(1, 300, 20, 20, 33, 1, seed=2, channels_last=True)  # K = 300: two blocks of K
+
+
+@pytest.mark.parametrize("size", [1, 3, 17])
+@pytest.mark.parametrize("k,stride,padding,dilation", [(3, 1, 1, 1), (3, 2, 1, 1), (5, 1, 2, 1), (3, 1, 2, 2)])
+def test_depthwise_odd_sizes(size, k, stride, padding, dilation):
+    _check(1, size, size, size, size, k, stride, padding, dilation, groups=size, channels_last=True)
+    _check(2, 17, size + 4, size + 2, 17, k, stride, padding, dilation, groups=17, bias=False)  # NCHW input
+
+
+def test_depthwise_large():
+    _check(1, 1000, 9, 11, 1000, 3, padding=1, groups=1000, channels_last=True, seed=3)
+    _check(1, 48, 56, 56, 48, 5, stride=2, padding=2, groups=48, channels_last=True, seed=4)
+
+
+@pytest.mark.parametrize("kernel_kind,groups", [("gemm", 1), ("depthwise", 8)])
+def test_packed_weight_follows_in_place_updates(kernel_kind, groups):
+    conv = KilnConv2d(kernel_kind, (1, 1), (1, 1), (1, 1), groups)
+    x = torch.randn(1, 8, 5, 5)
+    w = torch.randn(8, 8 // groups, 3, 3)
+    first = conv(x, w)
+    assert _rel(first, F.conv2d(x, w, None, 1, 1, 1, groups)) <= 1e-4
+    with torch.no_grad():
+        w.mul_(-2.0)  # an optimizer step: same storage, new version
+    assert _rel(conv(x, w), F.conv2d(x, w, None, 1, 1, 1, groups)) <= 1e-4
+
+
+def test_bad_input_is_refused_clearly():
+    x, w = torch.randn(1, 4, 5, 5), torch.randn(4, 4, 3, 3)
+    with pytest.raises(ValueError, match="groups"):
+        conv2d(x, torch.randn(4, 2, 3, 3), groups=2)  # grouped, not depthwise
+    with pytest.raises(TypeError, match="float32"):
+        conv2d(x.double(), w.double())
+    with pytest.raises(ValueError, match="bias"):
+        conv2d(x, w, torch.randn(3))
+    with pytest.raises(ValueError, match="empty"):
+        conv2d(x, torch.randn(4, 4, 7, 7))
+    with pytest.raises(ValueError, match="input channels"):
+        conv2d(torch.randn(1, 3, 5, 5), w)
+    with pytest.raises(ValueError, match="unknown kiln convolution kind"):
+        KilnConv2d("winograd", (1, 1), (0, 0), (1, 1), 1)
+
+
+def test_kind_of_a_convolution():
+    assert kind((1, 8, 9, 9), (8, 1, 3, 3), (1, 1), (1, 1), (1, 1), 8) == "depthwise"
+    assert kind((1, 8, 9, 9), (16, 8, 1, 1), (2, 2), (0, 0), (1, 1), 1) == "gemm"
+    assert kind((1, 3, 32, 32), (8, 3, 16, 16), (16, 16), (0, 0), (1, 1), 1) == "gemm"
+    assert kind((1, 8, 9, 9), (8, 8, 3, 3), (1, 1), (1, 1), (1, 1), 1) is None   # 3x3: oneDNN
+    assert kind((1, 8, 9, 9), (8, 2, 3, 3), (1, 1), (1, 1), (1, 1), 4) is None   # grouped
+
+
+def _conv_node(x_shape, w_shape, stride, padding, groups, dtype=DType.float32):
+    g = Graph("conv")
+    ins = [g.add_input("x", TensorType(x_shape, dtype)), g.add_input("w", TensorType(w_shape, dtype))]
+    return g.add_node("conv", ins, {"stride": list(stride), "padding": list(padding), "dilation": [1, 1],
+                                    "groups": groups})
+
+
+def test_library_table_follows_the_choice(monkeypatch):
+    depthwise = _conv_node((1, 8, 9, 9), (8, 1, 3, 3), (1, 1), (1, 1), 8)
+    general = _conv_node((1, 8, 9, 9), (8, 8, 3, 3), (1, 1), (1, 1), 1)
+    monkeypatch.setenv(ENV_VAR, "1")
+    assert library_call(depthwise, [False, True]).label == "kiln depthwise convolution"
+    assert library_call(depthwise, [False, True]).channels_last
+    assert library_call(general, [False, True]).label.startswith("oneDNN")
+    assert native_conv(_conv_node((1, 8, 9, 9), (8, 1, 3, 3), (1, 1), (1, 1), 8, DType.float64), None) is None
+    monkeypatch.setenv(ENV_VAR, "0")
+    assert library_call(depthwise, [False, True]).label.startswith("oneDNN")
+
+
+class Separable(nn.Module):
+    """An inverted residual: 1x1 expansion, depthwise 3x3, 1x1 projection, batch norm,
+    hardswish, a residual; then a patchify convolution."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv2d(5, 17, 1, bias=False), nn.BatchNorm2d(17), nn.Hardswish(),
+                                  nn.Conv2d(17, 17, 3, 1, 1, groups=17, bias=False), nn.BatchNorm2d(17),
+                                  nn.Hardswish(), nn.Conv2d(17, 5, 1), nn.BatchNorm2d(5))
+        self.patch = nn.Conv2d(5, 3, 3, stride=3)
+        for m in self.modules():
+            if isinstance(m, nn.BatchNorm2d):
+                nn.init.uniform_(m.running_var, 0.5, 1.5)
+                nn.init.uniform_(m.running_mean, -0.2, 0.2)
+
+    def forward(self, x):
+        return self.patch(x + self.body(x))
+
+
+def test_compiled_conv_net_runs_kiln_kernels(monkeypatch):
+    monkeypatch.setenv(ENV_VAR, "1")
+    calls = []
+    original = KilnConv2d.__call__
+    monkeypatch.setattr(KilnConv2d, "__call__", lambda self, *a: calls.append(self.kind) or original(self, *a))
+    torch.manual_seed(0)
+    model = Separable().eval()
+    x = torch.randn(2, 5, 9, 9)
+    with torch.no_grad():
+        want = model(x)
+        for backend in ("cpu", "reference"):
+            got = kiln.compile(model, (x,), backend=backend)(x)
+            assert _rel(got, want) <= 1e-4, backend
+    assert sorted(set(calls)) == ["depthwise", "gemm"] and len(calls) == 4
