@@ -22,6 +22,8 @@ setup(
                  "expecttest",
                  # pass-ordering tests; small pure-Python packages (torch is already required)
                  "gymnasium>=1.0", "stable-baselines3>=2.3", "sb3-contrib>=2.3",
+                 # the schedule autotuner's cost model (gradient-boosted trees)
+                 "lightgbm>=4",
                  # the benchmark harness's smoke test checks its PNG plot
                  "matplotlib",
                  # the triton backend's tests (Triton's interpreter on the CPU; wheels: linux x86_64)

@@ -64,8 +64,15 @@ def _run_bench(args: argparse.Namespace, rest: list[str]) -> int:
 
 
 def _configure_tune(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--backend", default="tvm", choices=["tvm"],
-                        help="backend whose kernels to tune (tvm: MetaSchedule)")
+    parser.add_argument("model", nargs="?", default=None,
+                        help="with --budget: a model to autotune for the cpu backend (a built-in model of "
+                             "`python -m kiln`, or a benchmark workload such as mlp, gpt2 or gpt2-s128-b1)")
+    parser.add_argument("--budget", type=float, default=None,
+                        help="seconds of cpu schedule autotuning for MODEL (kiln.tuning.autotune; records in the "
+                             "compile cache folder)")
+    parser.add_argument("--backend", default="tvm", choices=["tvm", "cpu"],
+                        help="backend whose kernels to tune (tvm: MetaSchedule; cpu: kiln's autotuner, needs "
+                             "MODEL and --budget)")
     parser.add_argument("--models", default="all",
                         help="comma-separated built-in models of `python -m kiln` (default: all)")
     parser.add_argument("--trials", type=int, default=64,
@@ -82,6 +89,8 @@ def _run_tune(args: argparse.Namespace, rest: list[str]) -> int:
     import kiln
     from kiln.compiler.demo import _models
 
+    if args.budget is not None or args.backend == "cpu" or args.model is not None:
+        return _run_autotune(args)
     if args.trials < 1:
         raise SystemExit("kiln tune: --trials must be at least 1")
     models = _models()
@@ -102,6 +111,30 @@ def _run_tune(args: argparse.Namespace, rest: list[str]) -> int:
         tuned = sum(note == "MetaSchedule record" for note in notes.values())
         print(f"[{index + 1}/{len(models)}] {name}: {tuned} of {len(notes)} kernels tuned in "
               f"{time.perf_counter() - start:.1f} s", flush=True)
+    return 0
+
+
+def _run_autotune(args: argparse.Namespace) -> int:
+    """``kiln tune MODEL --budget S``: autotune the loop schedules of MODEL's cpu kernels."""
+    from kiln.compiler.demo import _models
+    from kiln.tuning.autotune.model import tune_model
+
+    if args.model is None or args.budget is None or args.budget <= 0:
+        raise SystemExit("kiln tune: autotuning needs a model and a positive budget: kiln tune MODEL --budget 600")
+    found = {name: (model, inputs) for name, model, inputs in _models()}
+    if args.model not in found:
+        _import_benchmarks()  # puts the checkout's benchmarks/ on the path
+        models = importlib.import_module("benchmarks.models")
+        workloads = {w.name: w for w in models.select_workloads()} | {
+            w.model: w for w in reversed(models.select_workloads(list(models.MODELS), quick=True))}
+        if args.model not in workloads:
+            raise SystemExit(f"kiln tune: unknown model {args.model!r}; known: {', '.join([*found, *workloads])}")
+        workload = workloads[args.model]
+        found[args.model] = (workload.spec.build(), workload.inputs())
+    model, inputs = found[args.model]
+    print(f"kiln tune: {args.model}, {args.budget:.0f} s of schedule search ...", flush=True)
+    result = tune_model(model, inputs, args.budget, cache_dir=args.cache_dir, threads=args.threads, progress=True)
+    print(result.summary(), flush=True)
     return 0
 
 

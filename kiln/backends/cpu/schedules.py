@@ -21,17 +21,29 @@ Strategies (``kind`` is the kernel template of the fused node, see :mod:`kiln.ir
   the innermost reduction loop by :data:`MATMUL_TILE` when both are longer.
 
 Programs the polyhedral model cannot take (non-affine loop bounds) are emitted as written,
-serially; ``ScheduledKernel.notes`` says so.
+serially; ``ScheduledKernel.notes`` says so.  Loops with symbolic extents (size parameters)
+are never marked for their amount of work, which is unknown: only vectorized.
+
+**Tuning records.**  With ``records`` (a folder or a
+:class:`~kiln.backends.common.records.RecordStore`), a kernel that has a record for this
+machine and thread count (written by :mod:`kiln.tuning.autotune`) replays the recorded trace
+instead -- through ``Schedule``, so every step is checked again; a record that no longer
+applies (or is illegal) is noted and the default strategy runs.  :func:`observe_kernels`
+lets the tuner see every program a build schedules.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from kiln.ir.errors import IllegalTransformError, KilnError, ScheduleError
 from kiln.ir.loops.program import If, Loop, Program
 
+from ..common.records import RecordStore, machine_key, store_for, structural_key
 from .codegen import _const_extent, nest_work, reduction_cells
 
 PARALLEL_MIN_WORK = 1 << 14
@@ -50,13 +62,72 @@ class ScheduledKernel:
     notes: list[str] = field(default_factory=list)
 
 
-def default_schedule(program: Program, kind: str, *, threads: int = 2) -> ScheduledKernel:
-    """The default schedule of ``program`` for a kernel of template ``kind`` (module docstring).
+_OBSERVERS: list[list[tuple[Program, str, int]]] = []
+
+
+@contextlib.contextmanager
+def observe_kernels() -> Iterator[list[tuple[Program, str, int]]]:
+    """Collect ``(program, kind, threads)`` of every kernel :func:`default_schedule` sees
+    inside the block (what the autotuner tunes for a model)."""
+    seen: list[tuple[Program, str, int]] = []
+    _OBSERVERS.append(seen)
+    try:
+        yield seen
+    finally:
+        _OBSERVERS.remove(seen)
+
+
+def records_store(records: str | Path | RecordStore | None) -> RecordStore | None:
+    """``records`` as a store (a folder names its record file)."""
+    if records is None or isinstance(records, RecordStore):
+        return records
+    return store_for(records)
+
+
+def default_schedule(program: Program, kind: str, *, threads: int = 2,
+                     records: str | Path | RecordStore | None = None,
+                     size_hint: dict[str, int] | None = None) -> ScheduledKernel:
+    """The default schedule of ``program`` for a kernel of template ``kind`` (module docstring),
+    or its tuned one when ``records`` holds a record for it.
 
     ``program`` must use identifier names only (see
     :func:`kiln.backends.cpu.codegen.sanitize_program`).  With ``threads <= 1`` nothing is
     marked parallel.
     """
+    for seen in _OBSERVERS:
+        seen.append((program, kind, threads))
+    store = records_store(records)
+    if store is not None:
+        tuned = tuned_schedule(program, store, threads)
+        if tuned is not None:
+            return tuned
+    return strategy_schedule(program, kind, threads=threads, size_hint=size_hint)
+
+
+def tuned_schedule(program: Program, store: RecordStore, threads: int) -> ScheduledKernel | None:
+    """The schedule of ``program``'s record in ``store`` replayed (every step checked), or
+    ``None`` when it has none or its trace no longer replays legally (the caller then runs
+    the default strategy)."""
+    record = store.lookup(structural_key(program), machine_key(threads))
+    if record is None:
+        return None
+    try:
+        from kiln.passes.schedule import Schedule  # noqa: PLC0415
+        schedule = Schedule.replay(program, record.trace)
+        if not schedule.verify():
+            return None
+        scheduled = schedule.program(name=program.name) if schedule.trace else program
+    except (ImportError, IllegalTransformError, ScheduleError, KilnError, ValueError, KeyError, TypeError):
+        return None
+    note = f"tuned: record {record.key[:12]} ({record.speedup:.2f}x over the default when measured)"
+    return ScheduledKernel(scheduled, list(schedule.trace), [note])
+
+
+def strategy_schedule(program: Program, kind: str, *, threads: int = 2,
+                      size_hint: dict[str, int] | None = None) -> ScheduledKernel:
+    """The default strategy of the module docstring (no records).  ``size_hint`` gives size
+    parameters a typical value (a symbolic graph's kernels): nests are then marked parallel
+    by their work at those values; without it a nest of symbolic extent stays serial."""
     try:
         from kiln.passes.schedule import Schedule  # noqa: PLC0415 (islpy loads on first use)
     except ImportError as e:
@@ -69,7 +140,7 @@ def default_schedule(program: Program, kind: str, *, threads: int = 2) -> Schedu
     parallel: set[str] = set()
     for nest in (n for n in program.body if isinstance(n, Loop)):
         if threads > 1:
-            parallel |= _mark_parallel(schedule, nest, notes)
+            parallel |= _mark_parallel(schedule, nest, notes, size_hint)
     if kind in ("matmul", "conv"):
         _sink_output_loops(schedule, program, parallel, notes)
     for loop in _innermost_loops(program.body):
@@ -80,9 +151,11 @@ def default_schedule(program: Program, kind: str, *, threads: int = 2) -> Schedu
     return ScheduledKernel(schedule.program(name=program.name), list(schedule.trace), notes)
 
 
-def _mark_parallel(schedule: Any, nest: Loop, notes: list[str]) -> set[str]:
+def _mark_parallel(schedule: Any, nest: Loop, notes: list[str], size_hint: dict[str, int] | None = None) -> set[str]:
     """Mark the outermost legal loop of ``nest`` (and maybe its inner loop) parallel."""
     work = nest_work((nest,))
+    if work is None and size_hint:
+        work = _hinted_work((nest,), size_hint)
     if work is None or work < PARALLEL_MIN_WORK:
         return set()
     loop: Loop | None = nest
@@ -128,6 +201,41 @@ def _sink_output_loops(schedule: Any, program: Program, parallel: set[str], note
             _try(schedule, notes, "tile", loops=[last.name, moved], sizes=list(MATMUL_TILE))
 
 
+def _hinted_work(body: tuple[Any, ...], hint: dict[str, int]) -> int | None:
+    """Statement instances of ``body`` with the size parameters at ``hint`` (bounds of
+    sums, products, min/max and floor divisions of them), or ``None``."""
+    total = 0
+    for n in body:
+        if isinstance(n, Loop):
+            lo, hi, inner = _value(n.lower, hint), _value(n.upper, hint), _hinted_work(n.body, hint)
+            if lo is None or hi is None or inner is None:
+                return None
+            total += max(0, -(-(hi - lo) // n.step)) * inner
+        elif isinstance(n, If):
+            a, b = _hinted_work(n.then, hint), _hinted_work(n.orelse, hint)
+            if a is None or b is None:
+                return None
+            total += max(a, b)
+        else:
+            total += 1
+    return total
+
+
+def _value(e: Any, hint: dict[str, int]) -> int | None:
+    from kiln.ir.loops.expr import Binary, Const, Var  # noqa: PLC0415
+
+    if isinstance(e, Const):
+        return int(e.value)
+    if isinstance(e, Var):
+        return hint.get(e.name)
+    if isinstance(e, Binary) and e.op in ("+", "-", "*", "floordiv", "min", "max"):
+        a, b = _value(e.lhs, hint), _value(e.rhs, hint)
+        if a is None or b is None or (e.op == "floordiv" and b == 0):
+            return None
+        return {"+": a + b, "-": a - b, "*": a * b, "min": min(a, b), "max": max(a, b)}.get(e.op, a // b if b else 0)
+    return None
+
+
 def _only_loop(loop: Loop) -> Loop | None:
     if len(loop.body) == 1 and isinstance(loop.body[0], Loop):
         return loop.body[0]
@@ -155,4 +263,5 @@ def _try(schedule: Any, notes: list[str], primitive: str, **args: Any) -> bool:
     return True
 
 
-__all__ = ["MATMUL_TILE", "MIN_PARALLEL_EXTENT", "PARALLEL_MIN_WORK", "ScheduledKernel", "default_schedule"]
+__all__ = ["MATMUL_TILE", "MIN_PARALLEL_EXTENT", "PARALLEL_MIN_WORK", "ScheduledKernel", "default_schedule",
+           "observe_kernels", "records_store", "strategy_schedule", "tuned_schedule"]

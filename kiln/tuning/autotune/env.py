@@ -1,0 +1,239 @@
+"""``kiln/ScheduleKernel-v0``: scheduling one loop kernel, with legality as the action mask.
+
+An episode schedules one kernel drawn from the environment's set, starting from its
+unscheduled program.  Actions are schedule primitives with arguments, on loop *slots* (the
+schedule's loops in program order, outer to inner, at most ``max_loops``):
+:data:`ACTION_KINDS` per slot, plus ``stop``.  :meth:`ScheduleKernelEnv.action_masks` is
+true exactly for the actions whose step passes the isl legality check (and applies
+structurally) from the current schedule, as sb3-contrib's ``MaskablePPO`` expects; the mask
+is also ``info["action_mask"]``.  A masked action may still be sent (gymnasium's checker
+does): it leaves the schedule unchanged and costs a small penalty.
+
+Rewards come at the end of an episode (``stop``, or ``max_steps`` steps): ``log2`` of the
+kernel's default-schedule time over the final schedule's time, measured with the cpu
+backend's code (:class:`~.measure.Measurer`: compiled, checked against the unscheduled
+program, timed with ``best_time``; equal code is measured once, so a seed and an action
+sequence give the same rewards).  With ``reward="model"`` a fitted
+:class:`~.costmodel.CostModel` predicts the speedup instead, and every ``measure_every``-th
+episode is measured (``info["measured"]``).
+
+Observations: the :mod:`.features` of the current scheduled program, then per slot
+(exists, depth, log2 extent, innermost, has a directly nested loop, parallel, vectorized,
+unrolled), then the fraction of steps used.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+from gymnasium import spaces
+
+from kiln.backends.cpu.schedules import strategy_schedule
+from kiln.ir.errors import IllegalTransformError, KilnError, ScheduleError
+from kiln.ir.loops.program import Program
+from kiln.passes.schedule import Schedule
+
+from . import space
+from .features import FEATURE_NAMES, features
+from .measure import Measurer, specialize
+
+ACTION_KINDS = ("parallel", "vectorize", "unroll4", "interchange", "tile16", "tile32", "tile64", "fission1")
+SLOT_FEATURES = 8
+INVALID_PENALTY = -0.01
+OBS_BOUND = 1e4
+"""Features are logs, counts and flags: far inside this bound."""
+
+
+def default_kernels() -> list[tuple[Program, dict[str, int], str]]:
+    """Three small kernels (a matmul, a row reduction, a 2-D stencil) at sizes that time in
+    well under a millisecond: what ``gymnasium.make("kiln/ScheduleKernel-v0")`` schedules."""
+    from kiln.ir.loops.cfront import from_c  # noqa: PLC0415
+
+    mm = from_c("for (i = 0; i < N; i++) for (j = 0; j < N; j++) { C[i][j] = 0;"
+                " for (k = 0; k < N; k++) C[i][j] += A[i][k] * B[k][j]; }", name="mm")
+    rows = from_c("for (i = 0; i < N; i++) { s[i] = 0; for (j = 0; j < M; j++) s[i] += x[i][j] * x[i][j]; }",
+                  name="rowsq")
+    blur = from_c("for (i = 1; i < N - 1; i++) for (j = 1; j < N - 1; j++)"
+                  " B[i][j] = (A[i-1][j] + A[i+1][j] + A[i][j-1] + A[i][j+1]) * 0.25;", name="blur")
+    return [(mm, {"N": 48}, "matmul"), (rows, {"N": 64, "M": 256}, "reduction"), (blur, {"N": 96}, "elementwise")]
+
+
+class ScheduleKernelEnv(gym.Env):
+    """See the module docstring.
+
+    Args:
+        kernels: ``(program, params, kind)`` triples (default: :func:`default_kernels`).
+        max_steps: steps per episode.
+        max_loops: loop slots in the action space.
+        reward: ``"measured"`` or ``"model"`` (needs ``cost_model``).
+        measure_every: with ``reward="model"``, measure every this many episodes.
+        threads: threads the default schedules plan for (default 2).
+    """
+
+    metadata: dict[str, Any] = {"render_modes": []}
+
+    def __init__(self, kernels: Sequence[tuple[Program, Mapping[str, int | float], str]] | None = None, *,
+                 max_steps: int = 6, max_loops: int = 8, reward: str = "measured", cost_model: Any = None,
+                 measure_every: int = 4, threads: int = 2, repeat: int = 3, cache_dir: str | None = None):
+        if reward not in ("measured", "model"):
+            raise ValueError(f"ScheduleKernelEnv: reward must be 'measured' or 'model', got {reward!r}")
+        if reward == "model" and cost_model is None:
+            raise ValueError("ScheduleKernelEnv: reward='model' needs a fitted cost_model "
+                             "(kiln.tuning.autotune.costmodel.CostModel().fit(X, y))")
+        self.kernels = []
+        for program, params, kind in (kernels if kernels is not None else default_kernels()):
+            static = specialize(program, {k: int(v) for k, v in params.items() if k in program.size_params})
+            scalars = {p.name: float(params[p.name]) for p in static.params}
+            self.kernels.append((static, scalars, kind))
+        if not self.kernels:
+            raise ValueError("ScheduleKernelEnv: give at least one kernel")
+        self.max_steps, self.max_loops = int(max_steps), int(max_loops)
+        self.reward_mode, self.cost_model, self.measure_every = reward, cost_model, max(1, int(measure_every))
+        self.threads, self.repeat, self.cache_dir = threads, repeat, cache_dir
+        self.actions = [(slot, kind) for slot in range(self.max_loops) for kind in ACTION_KINDS] + [(None, "stop")]
+        self.action_space = spaces.Discrete(len(self.actions))
+        size = len(FEATURE_NAMES) + self.max_loops * SLOT_FEATURES + 1
+        self.observation_space = spaces.Box(-OBS_BOUND, OBS_BOUND, shape=(size,), dtype=np.float32)
+        self._measurers: dict[int, Measurer] = {}
+        self._defaults: dict[int, float] = {}
+        self._episodes = 0
+        self.index = 0
+        self.schedule: Schedule | None = None
+        self.steps = 0
+
+    # ------------------------------------------------------------------ gym API
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
+        super().reset(seed=seed)
+        if options and "index" in options:
+            self.index = int(options["index"]) % len(self.kernels)
+        else:
+            self.index = int(self.np_random.integers(len(self.kernels)))
+        self.schedule = Schedule(self.kernels[self.index][0])
+        self.steps = 0
+        self._mask = self._compute_mask()
+        return self._observation(), {"action_mask": self._mask.copy(), "kernel": self.index}
+
+    def step(self, action: int):
+        assert self.schedule is not None, "call reset() first"
+        slot, kind = self.actions[int(action)]
+        self.steps += 1
+        reward = 0.0
+        info: dict[str, Any] = {"kernel": self.index}
+        if kind == "stop":
+            terminated = True
+        else:
+            terminated = False
+            step = self._step_of(slot, kind)
+            if not self._mask[int(action)] or step is None or not self._apply(self.schedule, step):
+                reward = INVALID_PENALTY
+        truncated = not terminated and self.steps >= self.max_steps
+        if terminated or truncated:
+            reward += self._final_reward(info)
+        self._mask = self._compute_mask()
+        info["action_mask"] = self._mask.copy()
+        return self._observation(), float(reward), terminated, truncated, info
+
+    def action_masks(self) -> np.ndarray:
+        """Legal actions from the current schedule (``stop`` always)."""
+        return self._mask.copy()
+
+    # ------------------------------------------------------------------ internals
+    def _loops(self) -> list[space.Band]:
+        return space.bands_of(self.schedule)[: self.max_loops]
+
+    def _step_of(self, slot: int | None, kind: str) -> list[dict[str, Any]] | None:
+        bands = self._loops()
+        if slot is None or slot >= len(bands):
+            return None
+        b = bands[slot]
+        if kind == "parallel":
+            return [{"primitive": "parallel", "args": {"loop": b.name}}]
+        if kind == "vectorize":
+            return [{"primitive": "vectorize", "args": {"loop": b.name}}] if b.innermost else None
+        if kind == "unroll4":
+            return [{"primitive": "unroll", "args": {"loop": b.name, "factor": 4}}]
+        if kind == "interchange":
+            return [{"primitive": "interchange", "args": {"a": b.name, "b": b.child}}] if b.child else None
+        if kind.startswith("tile"):
+            size = int(kind[4:])
+            if b.child is None:
+                return None
+            return [{"primitive": "tile", "args": {"loops": [b.name, b.child], "sizes": [size, size]}}]
+        if kind == "fission1":
+            return [{"primitive": "fission", "args": {"loop": b.name, "split_before_child": 1}}] \
+                if b.sequence_child > 1 else None
+        return None
+
+    @staticmethod
+    def _apply(schedule: Schedule, steps: list[dict[str, Any]]) -> bool:
+        trial = schedule.copy()
+        try:
+            for s in steps:
+                trial.apply(s["primitive"], **s["args"])
+        except (IllegalTransformError, ScheduleError, KilnError, ValueError, KeyError):
+            return False
+        schedule.__dict__.update(trial.__dict__)
+        return True
+
+    def _compute_mask(self) -> np.ndarray:
+        mask = np.zeros(len(self.actions), dtype=bool)
+        mask[-1] = True
+        for i, (slot, kind) in enumerate(self.actions[:-1]):
+            steps = self._step_of(slot, kind)
+            if steps is not None:
+                mask[i] = self._apply(self.schedule.copy(), steps)  # checked: legality is the mask
+        return mask
+
+    def _observation(self) -> np.ndarray:
+        static = self.kernels[self.index][0]
+        program = self.schedule.program(name=static.name)
+        obs = list(features(static, self.schedule, program))
+        ext = space.extents(program)
+        bands = self._loops()
+        for slot in range(self.max_loops):
+            if slot < len(bands):
+                b = bands[slot]
+                e = ext.get(b.name, 16)
+                obs += [1.0, b.depth, math.log2(max(1, e)), float(b.innermost), float(b.child is not None),
+                        float(b.mode == "parallel"), float(b.mode == "vectorized"), float(b.mode == "unrolled")]
+            else:
+                obs += [0.0] * SLOT_FEATURES
+        obs.append(self.steps / self.max_steps)
+        return np.asarray(obs, dtype=np.float32)
+
+    def measurer(self, index: int) -> Measurer:
+        if index not in self._measurers:
+            static, scalars, kind = self.kernels[index]
+            m = Measurer(static, scalars, repeat=self.repeat, cache_dir=self.cache_dir)
+            default = strategy_schedule(static, kind, threads=self.threads)
+            self._defaults[index] = m.time_of(default.program) or float("nan")
+            self._measurers[index] = m
+        return self._measurers[index]
+
+    def default_time(self, index: int) -> float:
+        self.measurer(index)
+        return self._defaults[index]
+
+    def measured_speedup(self) -> float:
+        """``log2`` of the default time over the current schedule's (measured)."""
+        static = self.kernels[self.index][0]
+        m = self.measurer(self.index)
+        t = m.time_of(self.schedule.program(name=static.name))
+        return math.log2(self._defaults[self.index] / t) if t else -1.0
+
+    def _final_reward(self, info: dict[str, Any]) -> float:
+        self._episodes += 1
+        measured = self.reward_mode == "measured" or self._episodes % self.measure_every == 0
+        info["measured"] = measured
+        if measured:
+            return self.measured_speedup()
+        static = self.kernels[self.index][0]
+        feats = features(static, self.schedule, self.schedule.program(name=static.name))
+        return float(self.cost_model.predict_speedup([feats])[0])
+
+
+__all__ = ["ACTION_KINDS", "ScheduleKernelEnv", "default_kernels"]
