@@ -83,7 +83,14 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
                                      description="Benchmark kiln against PyTorch eager, Inductor, "
                                                  "ONNX Runtime and TVM on CPU.")
     add_arguments(parser)
+    parser.add_argument("--dynamic", action="store_true",
+                        help="the variable-length serving benchmark (compile counts and total time over a "
+                             "stream of lengths); see benchmarks/dynamic_bench.py and its --help")
     argv = list(sys.argv[1:] if argv is None else argv)
+    if "--dynamic" in argv:
+        from .dynamic_bench import main as dynamic_main
+
+        return dynamic_main(argv)
     args = parser.parse_args(argv)
     try:  # unknown names fail here, before anything slow
         if args.train:

@@ -46,6 +46,8 @@ NO_COMPUTE |= {"triangular_solve": "a sequential substitution over rows, not a l
                "lu_permutation": "row interchanges applied in sequence: numpy on both backends"}
 NO_COMPUTE |= {"custom_vjp": "a user's autograd.Function: the inline-custom-vjp pass replaces it by its forward "
                              "graph before lowering"}
+NO_COMPUTE |= {name: "a collective: a torch.distributed library call (kiln/ir/ops/collectives.py), not a loop nest"
+               for name in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")}
 
 
 def T(*shape: int, dtype: DType = F32) -> TensorType:

@@ -582,6 +582,13 @@ add(case("arange", [], lambda: torch.arange(5), end=5, dtype=DType.int64),
          dtype=DType.int64),
     case("full", [], lambda: torch.full((4,), 1, dtype=torch.bool), shape=(4,), value=1,
          dtype=DType.bool))
+# Collectives without a process group: the simulation of world_size ranks holding this
+# operand, this process rank 0 (their multi-rank behavior: tests/test_schedule_dist.py).
+add(case("all_reduce", [f32(3, 4)], lambda x: x * 2, world_size=2),
+    case("all_gather", [f32(3, 4)], lambda x: torch.cat([x, x], 1), world_size=2, dim=1),
+    case("reduce_scatter", [f32(4, 3)], lambda x: x[:2] * 2, world_size=2, dim=0),
+    case("all_to_all", [f32(4, 6)], lambda x: torch.cat([x[:, :3]] * 2, 0), world_size=2, split_dim=1,
+         concat_dim=0))
 
 
 # ------------------------------------------------------------------------------ checks

@@ -150,12 +150,6 @@ class ReferenceBackend(Backend):
 
     def build(self, graph: Graph, options: Mapping[str, Any] | None = None) -> Executable:
         opts = self.resolve_options(options)
-        dynamic = [v for v in (*graph.inputs, *graph.params) if not v.type.is_static]
-        if dynamic:
-            raise BackendError(
-                f"kiln backend 'reference' runs static shapes only; %{dynamic[0].name} has type "
-                f"{dynamic[0].type}; capture with concrete example inputs"
-            )
         for node in graph.nodes:
             if not self.supports(node):
                 raise unsupported_node(self.name, node)
@@ -163,7 +157,9 @@ class ReferenceBackend(Backend):
 
 
 class ReferenceExecutable:
-    """A graph bound to :func:`kiln.backends.reference.run_graph`."""
+    """A graph bound to :func:`kiln.backends.reference.run_graph`.  A graph with symbolic
+    shapes binds its sizes from the arguments at every call (checked against
+    ``graph.sizes``: a size out of range raises :class:`kiln.ir.sizes.SizeError`)."""
 
     def __init__(self, graph: Graph, *, float64: bool = False):
         from kiln.backends.reference import run_graph  # noqa: PLC0415 (kept out of import time)

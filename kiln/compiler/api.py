@@ -63,14 +63,15 @@ from kiln.frontends.torch import capture as capture_mod
 from kiln.frontends.torch.aten import has_kiln_dtype
 from kiln.frontends.torch.autograd import DifferentiableGraph, GradModeRunner, TrainableCompiledModule
 from kiln.frontends.torch.capture_cache import CaptureCache
-from kiln.frontends.torch.fallback import CompiledFx, compile_fx, unsupported_nodes
+from kiln.frontends.torch.fallback import CompiledFx, build_for_sizes, compile_fx, unsupported_nodes
+from kiln.frontends.torch.symbolic import naming
 
 
 def compile(model_or_function: torch.nn.Module | Callable[..., Any], example_inputs: Any,
             backend: str | Backend = DEFAULT_BACKEND, *, passes: Any = "default", strict: bool = False,
             example_kwargs: Mapping[str, Any] | None = None, cache: bool = True,
             cache_dir: str | None = None, capture_cache: bool | None = None, amp: str | None = None,
-            **options: Any) -> CompiledModule:
+            dynamic_shapes: Any = None, tune: float | None = None, **options: Any) -> CompiledModule:
     """Compile a module or function for inference with kiln (see the module docstring).
 
     Args:
@@ -97,10 +98,25 @@ def compile(model_or_function: torch.nn.Module | Callable[..., Any], example_inp
             the ``amp`` pass (:mod:`kiln.passes.amp`) runs before fusion (:func:`amp_passes`),
             so matmuls, convolutions and attention compute in that dtype and reductions and
             normalizations in float32; inputs, parameters and outputs keep their dtypes.
+        dynamic_shapes: ``torch.export``'s argument marking axes dynamic, e.g.
+            ``{"x": {0: Dim("batch", min=2, max=64)}}`` (also ``Dim.AUTO``, ``Dim.DYNAMIC``).
+            The graph is compiled once with symbolic sizes, named after the ``Dim`` objects,
+            and their ranges (``graph.sizes``; the minimum is at least 2: torch and kiln
+            specialize sizes 0 and 1).  Every call binds the sizes from the input shapes and
+            checks them against the ranges before running: a size out of range raises
+            :class:`~kiln.ir.sizes.SizeError` naming the input, axis, range and value.
+        tune: seconds of loop-schedule autotuning (:func:`kiln.tuning.autotune.model.tune_model`,
+            cpu backend) before the build: the tuned schedules are stored as records in the
+            compile-cache folder, and this build (and every later one) replays them,
+            legality re-checked.
         **options: options of the backend, e.g. ``float64=True`` for ``"reference"``.
     """
     module = as_module(model_or_function)
     args = as_args(example_inputs)
+    if tune:
+        from kiln.tuning.autotune.model import tune_model
+
+        tune_model(module, args, float(tune), cache_dir=cache_dir, threads=options.get("threads"))
     kwargs = dict(example_kwargs or {})
     builder = get_backend(backend)
     switch = CacheSwitch(bool(cache), cache_dir)
@@ -110,11 +126,11 @@ def compile(model_or_function: torch.nn.Module | Callable[..., Any], example_inp
                                  cache_dir)
     transform = amp_passes(passes, amp)
     name = _model_name(model_or_function)
-    key = captures.capture_key(module, args, kwargs, name)
+    key = captures.capture_key(module, args, kwargs, name, dynamic_shapes)
     captured = captures.load_capture(key, module)
     if captured is not None:
         return _compile_whole(captured, args, kwargs, builder, options, transform, name, captures, "hit")
-    ep = _export(module, args, kwargs)
+    ep = _export(module, args, kwargs, dynamic_shapes)
     state = "miss" if key is not None else ("uncacheable" if captures.enabled else "off")
     if strict:  # capture raises the first unsupported node's UnsupportedOpError
         captured = capture_mod.capture_program(ep, name=name)
@@ -169,11 +185,12 @@ def _chain(first: PassTransform | None, second: PassTransform | None) -> PassTra
 
 
 def capture(model: torch.nn.Module | Callable[..., Any], example_inputs: Any,
-            example_kwargs: Mapping[str, Any] | None = None) -> Graph:
-    """The kiln graph of ``model`` on the example inputs. Always strict: an ATen op kiln
-    cannot lower raises :class:`UnsupportedOpError` naming the op and the source line."""
+            example_kwargs: Mapping[str, Any] | None = None, *, dynamic_shapes: Any = None) -> Graph:
+    """The kiln graph of ``model`` on the example inputs (symbolic where ``dynamic_shapes``,
+    torch.export's argument, marks axes dynamic). Always strict: an ATen op kiln cannot
+    lower raises :class:`UnsupportedOpError` naming the op and the source line."""
     args, kwargs = as_args(example_inputs), dict(example_kwargs or {})
-    captured = capture_mod.capture_program(_export(as_module(model), args, kwargs))
+    captured = capture_mod.capture_program(_export(as_module(model), args, kwargs, dynamic_shapes))
     return captured.graph
 
 
@@ -203,7 +220,8 @@ def _check_input_dtypes(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
                 "torch.view_as_real(x)) or run this program in PyTorch.")
 
 
-def _export(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> ExportedProgram:
+def _export(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+            dynamic_shapes: Any = None) -> ExportedProgram:
     """:func:`capture_mod.export_program`, with torch.export's refusals of data-dependent
     programs (an op whose result or shape depends on tensor values, or a branch on one)
     turned into :class:`UnsupportedOpError`."""
@@ -218,7 +236,7 @@ def _export(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
 
     _check_input_dtypes(args, kwargs)
     try:
-        return capture_mod.export_program(module, args, kwargs)
+        return capture_mod.export_program(module, args, kwargs, dynamic_shapes=dynamic_shapes)
     except (DataDependentOutputException, DynamicOutputShapeException) as e:
         func = getattr(e, "func", None)
         kind = "output shape" if isinstance(e, DynamicOutputShapeException) else "result"
@@ -332,7 +350,7 @@ def _compile_whole(captured: capture_mod.Captured, args: tuple[Any, ...], kwargs
         raise KilnError(f"kiln internal error: the passes changed the inputs of graph @{graph.name}")
     types = dict(zip(captured.input_positions, (v.type for v in graph.inputs)))
     slots = _input_slots(captured.user_input_names, captured.in_spec, args, kwargs, types)
-    executable = backend.build(graph, options)
+    executable = build_for_sizes(backend, graph, options)
     if [v.name for v in graph.params] != [v.name for v in captured.graph.params]:
         raise KilnError(f"kiln internal error: the passes reordered the params of graph @{graph.name}")
     params = [captured.params[v.name] for v in graph.params]
@@ -341,7 +359,8 @@ def _compile_whole(captured: capture_mod.Captured, args: tuple[Any, ...], kwargs
                                    in_spec=captured.in_spec, out_spec=captured.out_spec,
                                    graphs=[graph], backend=backend.name, name=name,
                                    info={"fallback_ops": {}, "torch_nodes": 0, "capture_cache": capture_state,
-                                         "passes_cache": passes_state})
+                                         "passes_cache": passes_state},
+                                   sizes=captured.graph.sizes)
 
 
 def _state_tensor(module: torch.nn.Module, ep: ExportedProgram, target: str) -> torch.Tensor:
@@ -401,10 +420,14 @@ def _compile_with_fallback(module: torch.nn.Module, ep: ExportedProgram, args: t
         example[pos] = value
     for pos, tensor in zip(param_positions, params):
         example[pos] = tensor
-    compiled = compile_fx(ep.graph_module, example, param_indices=frozenset(param_positions),
-                          backend=backend, options=options, strict=False, transform=transform, name=name)
+    with naming(ep.graph_module.meta.get(capture_mod.DIM_NAMES) or {}):
+        compiled = compile_fx(ep.graph_module, example, param_indices=frozenset(param_positions),
+                              backend=backend, options=options, strict=False, transform=transform,
+                              name=name)
+    types, sizes = capture_mod.user_input_types(ep)
     slots = _input_slots(_user_input_names(ep), ep.call_spec.in_spec, args, kwargs,
-                         {i: tensor_type(v) for i, v in enumerate(flat) if isinstance(v, torch.Tensor)})
+                         {i: types.get(i, tensor_type(v)) for i, v in enumerate(flat)
+                          if isinstance(v, torch.Tensor)})
     out_specs = ep.graph_signature.output_specs
     user_outputs = [i for i, s in enumerate(out_specs) if s.kind == OutputKind.USER_OUTPUT]
     mutated = [(i, _state_tensor(module, ep, s.target)) for i, s in enumerate(out_specs)
@@ -414,4 +437,4 @@ def _compile_with_fallback(module: torch.nn.Module, ep: ExportedProgram, args: t
     return TrainableCompiledModule(GradModeRunner(runner), runner, inputs=slots, params=params,
                                    in_spec=ep.call_spec.in_spec, out_spec=ep.call_spec.out_spec,
                                    graphs=compiled.graphs, backend=backend.name, name=name,
-                                   info=compiled.info)
+                                   info=compiled.info, sizes=sizes)

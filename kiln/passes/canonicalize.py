@@ -75,7 +75,7 @@ def _normal_axes(node: Node) -> dict[str, Any]:
             attrs[key] = tuple(sorted({d % rank for d in value}))
     if node.op_name == "select":
         size = node.inputs[0].shape[attrs["dim"]]
-        if isinstance(size, int) and size > 0:
+        if isinstance(size, int) and size > 0 and isinstance(attrs["index"], int):
             attrs["index"] = attrs["index"] % size
     if node.op_name == "slice":
         attrs.update(_clamped_slice(node.inputs[0].shape[attrs["dim"]], attrs))
@@ -83,7 +83,9 @@ def _normal_axes(node: Node) -> dict[str, Any]:
 
 
 def _clamped_slice(size: Any, attrs: dict[str, Any]) -> dict[str, int]:
-    if not isinstance(size, int) or attrs.get("step", 1) <= 0:
+    """Static bounds clamped into a static axis; symbolic sizes or bounds are left as they
+    are (the clamp would depend on the sizes' values)."""
+    if not all(isinstance(v, int) for v in (size, attrs["start"], attrs["end"])) or attrs.get("step", 1) <= 0:
         return {}
     start, end = attrs["start"], attrs["end"]
     start = min(max(start + size if start < 0 else start, 0), size)

@@ -86,7 +86,7 @@ def near(target: float) -> Callable[[np.ndarray], bool]:
 
 def scalar_of(value: Value) -> float | None:
     """The element value of a splat constant with one element or a rank-0 shape."""
-    if value.type.rank and value.type.numel != 1:
+    if value.type.rank and value.type.size != 1:  # symbolic sizes: never one element
         return None
     s = splat_value(value)
     return None if s is None else float(s)

@@ -7,7 +7,8 @@ Public API (stable)::
     kernel = lower_node(node)            # any node whose op has a compute definition, incl. ``fused``
     kernels = lower_graph_kernels(graph) # one entry per ``graph.nodes``; None: left to the backend
 
-    kernel.program    # kiln.ir.loops.Program: no parameters, static shapes, plain serial loops
+    kernel.program    # kiln.ir.loops.Program: plain serial loops; one i64 parameter ``size_<n>`` per
+                      # named size of a symbolic shape (none for static shapes)
     kernel.inputs     # buffer names, one per node operand, in operand order
     kernel.outputs    # buffer names, one per node result, in result order
     kernel.template   # the fused node's template, else the node's fusion class
@@ -46,8 +47,9 @@ Guarantees:
 * float16/bfloat16 kernels compute in float32 and round each op's result, as the
   references do; they run in the interpreter (``to_c`` has no C type for them).
 
-Nodes that cannot be lowered raise :class:`LoweringError` from :func:`lower_node`: symbolic
-shapes, and ops whose result shape depends on data (``index`` with a bool mask).
+Symbolic shapes lower to loop extents and buffer shapes over size parameters; a compute
+rule that needs a concrete size (a mean's ``1/n`` over a symbolic axis, say) raises
+:class:`LoweringError`, as do ops whose result shape depends on data (``index`` with a bool mask).
 :func:`lower_graph_kernels` maps those, and every node ``skip`` selects (by default the
 ``view`` ops: reshape, permute, expand, slice, select), to ``None``: the backend implements
 them itself (as views, library calls or the reference implementation).
@@ -62,16 +64,18 @@ import numpy as np
 
 from kiln.ir import Graph, Node
 from kiln.ir.loops import (
-    Expr, If, Load, Loop, Program, Var, loads_of, map_expr, substitute,
+    Expr, If, Load, Loop, Param, Program, Var, loads_of, map_expr, substitute,
 )
+from kiln.ir.loops.expr import size_param
 from kiln.ir.loops import Node as LoopNode
 from kiln.ir.ops.compute import (
     KernelBuilder,
     LoweringError,
     apply_rule,
+    kernel_shape,
     sanitize,
-    static_shape,
 )
+from kiln.ir.types import sizes_of
 from kiln.passes.fusion import node_class
 
 __all__ = ["LoweredKernel", "LoweringError", "can_lower", "default_skip", "fuse_nests", "lower_graph_kernels",
@@ -91,10 +95,19 @@ class LoweredKernel:
 
 # ============================================================================= lowering
 def can_lower(node: Node) -> bool:
-    """Whether :func:`lower_node` accepts ``node``: its op has a compute definition and
-    every operand and result has a static shape."""
-    values = (*node.inputs, *node.outputs)
-    return node.op.compute is not None and all(v.type.is_static for v in values)
+    """Whether :func:`lower_node` accepts ``node``: its op has a compute definition.  Symbolic
+    shapes lower to programs with size parameters (a rule that needs a concrete size
+    raises :class:`LoweringError` from :func:`lower_node`), unless a result has a size no
+    operand shape gives (a data-dependent size such as a bool mask's count)."""
+    return node.op.compute is not None and _free_result_size(node) is None
+
+
+def _free_result_size(node: Node):
+    """A result of ``node`` whose shape names a size its operands' shapes do not, or ``None``."""
+    known: set[str] = set()
+    for v in node.inputs:
+        known |= sizes_of(v.type.shape)
+    return next((v for v in node.outputs if not sizes_of(v.type.shape) <= known), None)
 
 
 def default_skip(node: Node) -> bool:
@@ -112,32 +125,54 @@ def lower_graph_kernels(graph: Graph, skip: Callable[[Node], bool] | None = None
 
 def lower_node(node: Node) -> LoweredKernel:
     """``node`` (any op with a compute definition, ``fused`` included) as one loop program."""
+    free = _free_result_size(node)
+    if free is not None:
+        raise LoweringError(f"result %{free.name} of {node.op_name} has symbolic shape {free.type} with a size no "
+                            "operand gives; lowering needs it (specialize the graph to concrete shapes first)")
     builder = KernelBuilder()
     buffer_of: dict = {}
-    for k, v in enumerate(node.inputs):
+    for v in node.inputs:
         if v not in buffer_of:
-            shape = static_shape(v.type, f"operand {k} (%{v.name}) of {node.op_name}")
-            buffer_of[v] = builder.declare(v.name, shape, v.dtype, "global")
+            buffer_of[v] = builder.declare(v.name, kernel_shape(v.type), v.dtype, "global")
     inputs = [buffer_of[v] for v in node.inputs]
-    outputs = [builder.declare(v.name, static_shape(v.type, f"result %{v.name} of {node.op_name}"), v.dtype, "global")
-               for v in node.outputs]
-    results = apply_rule(builder, node.op, [builder.tensor_of(n) for n in inputs], node.attrs,
-                         [v.type for v in node.outputs], node.outputs[0].name)
-    aliases: dict[str, str] = {}
-    for name, t in zip(outputs, results):
-        local = builder.buffers.get(t.buffer) if t.buffer else None
-        if local is not None and local.scope == "local" and t.buffer not in aliases and local.dtype == t.dtype:
-            aliases[t.buffer] = name  # the stage writes the result buffer directly
-        else:
-            builder.store(name, t)
+    outputs = [builder.declare(v.name, kernel_shape(v.type), v.dtype, "global") for v in node.outputs]
+    try:
+        results = apply_rule(builder, node.op, [builder.tensor_of(n) for n in inputs], node.attrs,
+                             [v.type for v in node.outputs], node.outputs[0].name)
+        aliases: dict[str, str] = {}
+        for name, t in zip(outputs, results):
+            local = builder.buffers.get(t.buffer) if t.buffer else None
+            if local is not None and local.scope == "local" and t.buffer not in aliases and local.dtype == t.dtype:
+                aliases[t.buffer] = name  # the stage writes the result buffer directly
+            else:
+                builder.store(name, t)  # element functions run here: errors of lazy rules too
+    except (TypeError, ValueError) as e:  # a rule doing arithmetic a symbolic size does not allow
+        if not node_sizes(node):
+            raise
+        raise LoweringError(f"{node.op_name}: its compute rule needs concrete sizes here ({e})") from e
     body = rename_buffers(fuse_nests(builder.nests), aliases)
     kept = [b for b in builder.buffers.values() if b.name not in aliases]
     order = {name: k for k, name in enumerate([*inputs, *builder.constants, *outputs])}
     kept.sort(key=lambda b: (b.scope != "global", order.get(b.name, len(order))))
     name = node.attrs["body"].name if node.op_name == "fused" else f"{node.op_name}_{node.outputs[0].name}"
-    program = Program(sanitize(name), (), tuple(kept), tuple(body))
+    params = tuple(Param(size_param(n)) for n in sorted(node_sizes(node)))
+    program = Program(sanitize(name), params, tuple(kept), tuple(body))
     template = node.attrs["template"] if node.op_name == "fused" else node_class(node)
     return LoweredKernel(program, inputs, outputs, template, dict(builder.constants))
+
+
+def node_sizes(node: Node) -> frozenset[str]:
+    """The named sizes of ``node``'s operand and result shapes and, for a fused node, of its
+    body's values: the size parameters of its program (``size_<name>``)."""
+    out: set[str] = set()
+    for v in (*node.inputs, *node.outputs):
+        out |= sizes_of(v.type.shape)
+    body = node.attrs.get("body") if node.op_name == "fused" else None
+    if body is not None:
+        for n in body.nodes:
+            for v in n.outputs:
+                out |= sizes_of(v.type.shape)
+    return frozenset(out)
 
 
 # ========================================================================= nest fusion

@@ -386,16 +386,27 @@ class CallPlan:
                 self._workspaces += 1
         return ws
 
-    def _make_workspace(self) -> Workspace:
+    def _make_workspace(self, arena: torch.Tensor | None = None,
+                        persistent: dict[tuple, torch.Tensor] | None = None) -> Workspace:
+        """A new workspace, in its own arena or in ``arena`` (at least ``arena_bytes`` long);
+        persistent tensors come from (and go into) ``persistent`` when given, keyed by slot,
+        shape and dtype, so plans of one build at several sizes share their packed weights."""
         empty = self._empty
-        arena = empty((max(self.arena_bytes, 1),), torch.uint8)
+        if arena is None:
+            arena = empty((max(self.arena_bytes, 1),), torch.uint8)
         template: Slots = [None] * self.num_slots
         static: set[int] = set()
         for slot, tensor in self.constants.items():
             template[slot] = tensor
             static.add(slot)
         for spec in self.persistent_specs:
-            template[spec.slot] = empty(spec.shape, spec.dtype)
+            if persistent is None:
+                template[spec.slot] = empty(spec.shape, spec.dtype)
+            else:
+                key = (spec.slot, spec.shape, spec.dtype)
+                if key not in persistent:
+                    persistent[key] = empty(spec.shape, spec.dtype)
+                template[spec.slot] = persistent[key]
             static.add(spec.slot)
         for spec in self.arena_specs:
             nbytes = _numel(spec.shape) * spec.dtype.itemsize
@@ -419,13 +430,16 @@ class CallPlan:
         return slots
 
     def __call__(self, args: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        ws = self.workspace()
-        slots = ws.template.copy()  # as _slots does, inline: this is the per-call path
+        return self.run_in(self.workspace(), args, self.poison)
+
+    def run_in(self, ws: Workspace, args: Sequence[torch.Tensor], poison: bool) -> list[torch.Tensor]:
+        """One call in workspace ``ws`` (the per-call path: :meth:`_slots`, inline)."""
+        slots = ws.template.copy()
         slots[: self.num_args] = args
         empty = self._empty
         for slot, shape, dtype in self.fresh_specs:
             slots[slot] = empty(shape, dtype)
-        if self.poison:
+        if poison:
             self._poison(ws, slots)
         for call in ws.calls:
             call(slots)
@@ -448,6 +462,105 @@ class CallPlan:
                 slots[slot].reshape(-1).view(torch.uint8).fill_(0xFF)
 
 
+@dataclass
+class _SizedWorkspace:
+    """One thread's arena (grown to the largest plan seen) and its bound plans by size key."""
+
+    arena: torch.Tensor | None = None
+    bound: dict[tuple[int, ...], tuple[CallPlan, Workspace]] = field(default_factory=dict)
+    persistent: dict[Any, dict[tuple, torch.Tensor]] = field(default_factory=dict)
+    """Persistent tensors (packed weights) by the plans' ``persistent_group``: made once."""
+
+
+class DynamicCallPlan:
+    """Runs a graph with symbolic shapes at the sizes of each call.
+
+    ``bind(args)`` returns the call's size key (the values of the named sizes), having
+    checked every argument's shape against the graph's symbolic types and every size
+    against its range (it raises otherwise, so a wrong size never runs).  ``instance(key)``
+    makes the static :class:`CallPlan` of one key (the backend's memory plan and steps at
+    those sizes); it is made once per key and kept (``max_sizes`` keys at most, then the
+    oldest is dropped).  Each thread binds an instance once per key into its workspace,
+    whose single arena grows to the largest instance seen and is never allocated again
+    below that size; persistent tensors (packed weights) are made once per thread and
+    ``persistent_group`` of the instances (plans of one build share their layouts).  A call at a key seen before costs the binding, one dictionary look-up
+    and the same steps as a static plan.
+    """
+
+    def __init__(self, *, num_args: int, bind: Callable[[Sequence[torch.Tensor]], tuple[int, ...]],
+                 instance: Callable[[tuple[int, ...]], CallPlan], name: str = "graph", poison: bool = False,
+                 allocator: Allocator = HOST, max_sizes: int = 64):
+        self.num_args = num_args
+        self.bind = bind
+        self.instance = instance
+        self.name = name
+        self.poison = poison
+        self.allocator = allocator
+        self.device = allocator.device
+        self.max_sizes = max_sizes
+        self._instances: dict[tuple[int, ...], CallPlan] = {}
+        self._local = threading.local()
+        self._workspaces = 0
+        self._lock = threading.Lock()
+
+    @property
+    def workspaces(self) -> int:
+        return self._workspaces
+
+    @property
+    def instances(self) -> dict[tuple[int, ...], CallPlan]:
+        """The static plans made so far, by size key."""
+        return dict(self._instances)
+
+    def plan_for(self, key: tuple[int, ...]) -> CallPlan:
+        """The static plan of size key ``key`` (made on first use)."""
+        plan = self._instances.get(key)
+        if plan is None:
+            with self._lock:
+                plan = self._instances.get(key)
+                if plan is None:
+                    plan = self.instance(key)
+                    if len(self._instances) >= self.max_sizes:
+                        self._instances.pop(next(iter(self._instances)))
+                    self._instances[key] = plan
+        return plan
+
+    def _enter(self, key: tuple[int, ...]) -> tuple[CallPlan, Workspace]:
+        ws = getattr(self._local, "ws", None)
+        if ws is None:
+            ws = self._local.ws = _SizedWorkspace()
+            with self._lock:
+                self._workspaces += 1
+        entry = ws.bound.get(key)
+        if entry is not None:
+            return entry
+        plan = self.plan_for(key)
+        if ws.arena is None or ws.arena.numel() < plan.arena_bytes:
+            ws.arena = self.allocator.empty((max(plan.arena_bytes, 1),), torch.uint8)
+            ws.bound.clear()  # bound pointers referred to the old arena
+        if len(ws.bound) >= self.max_sizes:
+            ws.bound.pop(next(iter(ws.bound)))
+        shared = ws.persistent.setdefault(getattr(plan, "persistent_group", None), {})
+        entry = ws.bound[key] = (plan, plan._make_workspace(ws.arena, shared))
+        return entry
+
+    def __call__(self, args: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        key = self.bind(args)
+        ws = getattr(self._local, "ws", None)
+        entry = ws.bound.get(key) if ws is not None else None
+        if entry is None:
+            entry = self._enter(key)
+        plan, w = entry
+        return plan.run_in(w, args, self.poison)
+
+    def profile(self, args: Sequence[torch.Tensor], repeat: int = 3) -> list[tuple[str, float]]:
+        """:meth:`CallPlan.profile` of the plan at these arguments' sizes."""
+        plan, w = self._enter(self.bind(args))
+        slots = plan._slots(w, args)
+        times = [best_time(lambda call=call: call(slots), repeat=repeat, warmup=0) for call in w.calls]
+        return list(zip(w.labels, times))
+
+
 def _numel(shape: tuple[int, ...]) -> int:
     n = 1
     for d in shape:
@@ -455,7 +568,7 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
-__all__ = ["HOST", "Allocator", "CallPlan", "ContiguousStep", "HostLauncher", "KernelCall", "KernelLauncher",
+__all__ = ["HOST", "Allocator", "CallPlan", "ContiguousStep", "DynamicCallPlan", "HostLauncher", "KernelCall", "KernelLauncher",
            "split_arguments",
            "NativeRunStep", "PackStep", "ReleaseStep", "SlotSpec", "Step", "TorchDeviceAllocator", "TorchStep",
            "ViewStep", "Workspace"]

@@ -5,7 +5,10 @@ Guarantees of :class:`CompiledModule`:
 * Inputs are flattened with the pytree spec of the example inputs and checked *before*
   anything runs: argument structure and keyword names, tensor-ness, dtype, rank and shape
   against the graph's input types, and equality of non-tensor inputs (kiln specializes
-  them at compile time).  A mismatch raises :class:`InputMismatchError` saying which input,
+  them at compile time).  A symbolic input shape (``f32[batch, 3]``) binds its named sizes
+  from the actual shapes and checks each against its range (``CompiledModule.sizes``, the
+  graph's ``sizes``): a size out of range, or inputs that disagree on a size, raise
+  :class:`~kiln.ir.sizes.SizeError` naming the input, the axis, the range and the value.  A mismatch raises :class:`InputMismatchError` saying which input,
   what was expected, what was given and how to go on.
 * Parameters are referenced, not copied: the module holds the model's live tensors and reads
   them at every call, so in-place updates of the weights are seen.  (Rebinding a module
@@ -27,7 +30,7 @@ Guarantees of :class:`CompiledModule`:
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +38,8 @@ import torch
 import torch.utils._pytree as pytree
 
 from kiln.ir import Graph, KilnError, TensorType
+from kiln.ir.sizes import SizeError, bind_sizes
+from kiln.ir.types import SizeRange
 
 from .tensors import describe, kiln_dtype
 
@@ -155,9 +160,13 @@ class CompiledModule:
     def __init__(self, executable: Executable, *, inputs: Sequence[InputSlot],
                  params: Sequence[torch.Tensor], in_spec: pytree.TreeSpec | None,
                  out_spec: pytree.TreeSpec | None, graphs: Sequence[Graph], backend: str,
-                 name: str = "main", info: dict[str, Any] | None = None):
+                 name: str = "main", info: dict[str, Any] | None = None,
+                 sizes: Mapping[str, SizeRange] | None = None):
         self.executable = executable
         self.inputs = tuple(inputs)
+        self.sizes: dict[str, SizeRange] = dict(sizes) if sizes is not None else _graph_ranges(graphs)
+        """The range of every named size of the inputs' symbolic shapes, checked each call."""
+        self._symbolic = [i for i, s in enumerate(self.inputs) if s.is_tensor and not s.type.is_static]
         self.params = list(params)
         self.in_spec = in_spec
         self.out_spec = out_spec
@@ -273,7 +282,23 @@ class CompiledModule:
                     f"kiln specializes non-tensor inputs, but got {value!r}; recompile with new "
                     "example_inputs"
                 )
+        if self._symbolic:
+            self.bind_sizes(flat)
         return tensors
+
+    def bind_sizes(self, flat: Sequence[Any]) -> dict[str, int]:
+        """The value of every named size at this call, from the flattened inputs' shapes,
+        checked against :attr:`sizes`: a size out of its range, or shapes that disagree on a
+        size, raise :class:`~kiln.ir.sizes.SizeError` (naming the input and axis, the range
+        and the value) before anything runs."""
+        slots = [self.inputs[i] for i in self._symbolic]
+        shapes = [tuple(flat[i].shape) for i in self._symbolic]
+        try:
+            return bind_sizes([s.type for s in slots], shapes,
+                              [f"input {i} ('{s.name}')" for i, s in zip(self._symbolic, slots)], self.sizes)
+        except SizeError as e:
+            where = _where_read(str(e), self._symbolic, slots, shapes)
+            raise SizeError(f"kiln: {self.name}: {e}{where}") from None
 
     # ------------------------------------------------------------- inspection
     @property
@@ -356,6 +381,24 @@ def _check_tensor(index: int, slot: InputSlot, value: Any) -> None:
             f"kiln: input {index} ('{slot.name}') expects {expected} but got {describe(value)}; "
             f"{_HOW_TO_GO_ON}"
         )
+
+
+def _where_read(message: str, positions: Sequence[int], slots: Sequence[InputSlot],
+                shapes: Sequence[tuple[int, ...]]) -> str:
+    """`` (from input 0 ('x') axis 0 of shape [65, 3], type f32[batch, 3])`` for the size a
+    range error names; empty when the message names no size."""
+    for i, slot, shape in zip(positions, slots, shapes):
+        for axis, d in enumerate(slot.type.shape):
+            if not isinstance(d, int) and d.is_symbol and message.startswith(f"size {d} = "):
+                return f" (read from input {i} ('{slot.name}') axis {axis} of shape {list(shape)}, type {slot.type})"
+    return ""
+
+
+def _graph_ranges(graphs: Sequence[Graph]) -> dict[str, SizeRange]:
+    ranges: dict[str, SizeRange] = {}
+    for g in graphs:
+        ranges.update(getattr(g, "sizes", None) or {})
+    return ranges
 
 
 def _same_constant(expected: Any, got: Any) -> bool:

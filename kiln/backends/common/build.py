@@ -33,6 +33,7 @@ with NaN bytes before every call, a testing aid).
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -44,12 +45,14 @@ import torch
 from kiln.backends.base import Backend, BackendError
 from kiln.ir import Graph, Node
 from kiln.ir.printer import format_graph_name
+from kiln.ir.sizes import is_dynamic, specialize
 from kiln.runtime.cache import CompileCache, cache_key
 from kiln.runtime.call_plan import (
     HOST,
     Allocator,
     CallPlan,
     ContiguousStep,
+    DynamicCallPlan,
     KernelCall,
     KernelLauncher,
     NativeRunStep,
@@ -62,7 +65,8 @@ from kiln.runtime.call_plan import (
 from kiln.runtime.tensors import torch_dtype
 from kiln.runtime.timing import best_time
 
-from .memory_plan import MemoryPlan, plan_memory
+from .dynamic import DynamicPlanner, sample_sizes, size_binder, size_function, typical_sizes
+from .memory_plan import MemoryPlan, plan_memory, plan_symbolic
 from .partition import GraphPlan, Partitioner, PlanOp, lifetimes
 from .select import SELECT_MODES, Choice, Selection, TimedSelector
 from .toolchain import Toolchain
@@ -177,11 +181,65 @@ class BuildPipeline:
         raise BackendError(f"kiln bug: backend '{self.backend.name}' planned a pack operation it cannot bind")
 
     # ----------------------------------------------------------------- the pipeline
+    def size_buckets(self, graph: Graph) -> list[dict[str, int]]:
+        """Sizes at which a symbolic graph may deserve a variant of its own (default: none);
+        see :meth:`run`."""
+        return []
+
     def run(self, graph: Graph, choose: Callable[[Node], Choice]) -> CompiledExecutable:
-        """Build ``graph`` (module docstring, steps 1-4)."""
+        """Build ``graph`` (module docstring, steps 1-4).  A symbolic graph with
+        :meth:`size_buckets` is partitioned once per bucket (``self.tune_sizes`` set to it:
+        the backend tunes its choices there, e.g. GEMM providers); buckets whose code options
+        agree share one build, and only where measurement chose differently is another
+        variant compiled.  Each call's sizes pick the nearest bucket's variant when their
+        plan is first made, so a call costs the same look-up as with one variant."""
+        buckets = self.size_buckets(graph) if is_dynamic(graph) else []
+        if len(buckets) < 2:
+            return self._run(graph, choose)
         start = time.perf_counter()
-        plan = self.partition(graph, choose)
-        memory = plan_memory(lifetimes(plan))
+        variants: dict[str, CompiledExecutable] = {}
+        chosen: list[CompiledExecutable] = []
+        for bucket in buckets:
+            self.tune_sizes = bucket
+            plan = self.partition(graph, choose)
+            options = repr(self.code_options(plan))
+            if options not in variants:
+                variants[options] = self._run(graph, choose, plan)
+            chosen.append(variants[options])
+        self.tune_sizes = None
+        first = chosen[-1]
+        if len(variants) == 1:
+            return first
+        names = tuple(sorted(buckets[0]))
+        points = [tuple(b[n] for n in names) for b in buckets]
+        plans = [exe.plan for exe in chosen]
+
+        def instance(key: tuple[int, ...]) -> CallPlan:
+            nearest = min(range(len(points)), key=lambda i: sum(abs(math.log(k) - math.log(p))
+                                                                for k, p in zip(key, points[i])))
+            return plans[nearest].instance(key)
+
+        combined = DynamicCallPlan(num_args=len(graph.inputs) + len(graph.params), bind=first.plan.bind,
+                                   instance=instance, name=graph.name, poison=self.poison, allocator=self.allocator)
+        info = dict(first.info)
+        info["variants"] = [{"sizes": b, "gemm": exe.info["gemm_providers"], "cache_key": exe.info["cache_key"]}
+                            for b, exe in zip(buckets, chosen)]
+        info["build_s"] = time.perf_counter() - start
+        return self.executable_type(graph, combined, info, first.source, [e.library for e in variants.values()])
+
+    def _run(self, graph: Graph, choose: Callable[[Node], Choice], plan: GraphPlan | None = None) -> CompiledExecutable:
+        start = time.perf_counter()
+        plan = plan if plan is not None else self.partition(graph, choose)
+        self.size_order = {name: i for i, name in enumerate(plan.sizes)}
+        self.size_hint = typical_sizes(graph, plan.sizes)
+        symbolic = None
+        if plan.sizes:  # symbolic shapes: the memory plan's order at the sample sizes
+            requests = lifetimes(plan, plan.sample)
+            memory = plan_memory(requests)
+            symbolic = plan_symbolic(requests, size_function(plan.sizes, [
+                plan.values[r.key].type.size * plan.values[r.key].type.dtype.itemsize for r in requests]))
+        else:
+            memory = plan_memory(lifetimes(plan))
         kernels = plan.kernels
         key = cache_key(key_text(graph), self.code_options(plan), self.toolchain_identity(), self.build_identity())
         entry = self.cache.lookup(key, self.toolchain.artifact) if kernels else None
@@ -209,13 +267,39 @@ class BuildPipeline:
         table = {s: i for i, s in enumerate(dict.fromkeys(s for s in symbols if s is not None))}
         library, launcher = self.load(path, list(table), plan)
         indexes = [None if s is None or path is None else table[s] for s in symbols]
+        info = _info(plan, memory, symbols, fallbacks, hit, key, entry, time.perf_counter() - start)
+        info["schedules"] = traces
+        info["gemm_providers"] = list(self.code_options(plan).get("gemm", []))
+        if symbolic is not None:
+            info["sizes"] = {n: str(graph.sizes.get(n, "[2, inf)")) for n in plan.sizes}
+            info["sample_sizes"] = dict(plan.sample or {})
+            planner = DynamicPlanner(plan, symbolic, indexes,
+                                     lambda concrete, mem, sizes: self._sized_plan(concrete, mem, sizes, launcher, indexes))
+            operands = [*graph.inputs, *graph.params]
+            names = [f"{'input' if i < len(graph.inputs) else 'param'} %{v.name}" for i, v in enumerate(operands)]
+            dynamic_plan = DynamicCallPlan(num_args=len(plan.args), name=graph.name, poison=self.poison,
+                                           allocator=self.allocator, instance=planner,
+                                           bind=size_binder([v.type for v in operands], names, plan.sizes, graph.sizes))
+            return self.executable_type(graph, dynamic_plan, info, source_text, library)
         call_plan = CallPlan(num_slots=len(plan.values), num_args=len(plan.args), constants=_constants(plan),
                              planned=_planned(plan, memory), arena_bytes=memory.arena_bytes,
                              steps=self.bind_steps(plan, launcher, indexes), outputs=[pv.slot for pv in plan.outputs],
                              name=graph.name, poison=self.poison, allocator=self.allocator)
-        info = _info(plan, memory, symbols, fallbacks, hit, key, entry, time.perf_counter() - start)
-        info["schedules"] = traces
         return self.executable_type(graph, call_plan, info, source_text, library)
+
+    def _sized_plan(self, plan: GraphPlan, memory: MemoryPlan, sizes: tuple[int, ...],
+                    launcher: KernelLauncher | None, indexes: list[int | None]) -> CallPlan:
+        """The static call plan of a symbolic graph's partition at concrete ``sizes`` (made by
+        :class:`~.dynamic.DynamicPlanner`): every kernel call also gets the size table, a
+        constant slot after the plan's values."""
+        size_slot = len(plan.values)
+        constants = _constants(plan)
+        constants[size_slot] = torch.tensor(sizes or (0,), dtype=torch.int64)
+        return CallPlan(num_slots=size_slot + 1, num_args=len(plan.args), constants=constants,
+                        planned=_planned(plan, memory), arena_bytes=memory.arena_bytes,
+                        steps=self.bind_steps(plan, launcher, indexes, extra=(size_slot,)),
+                        outputs=[pv.slot for pv in plan.outputs], name=plan.graph.name, poison=False,
+                        allocator=self.allocator)
 
     def _kernel_sources(self, kernels: list[PlanOp]) -> tuple[list[Any], list[str | None], dict[str, str],
                                                               dict[str, list]]:
@@ -246,9 +330,11 @@ class BuildPipeline:
             symbols.append(symbol)
         return sources, symbols, fallbacks, traces
 
-    def bind_steps(self, plan: GraphPlan, launcher: KernelLauncher | None, indexes: list[int | None]) -> list[Step]:
+    def bind_steps(self, plan: GraphPlan, launcher: KernelLauncher | None, indexes: list[int | None],
+                   extra: tuple[int, ...] = ()) -> list[Step]:
         """The runtime steps of the plan's operations; consecutive kernels share one launch
-        (:class:`~kiln.runtime.call_plan.NativeRunStep`) and consecutive argument checks one step."""
+        (:class:`~kiln.runtime.call_plan.NativeRunStep`) and consecutive argument checks one
+        step.  ``extra`` slots are passed to every kernel after its arguments (the size table)."""
         steps: list[Step] = []
         run: list[KernelCall] = []
         labels: list[str] = []
@@ -268,7 +354,8 @@ class BuildPipeline:
                 kernel_index += 1
                 if index is not None:
                     args = op.args
-                    run.append((index, tuple(pv.root().slot for pv in args), tuple(pv.byte_offset for pv in args)))
+                    run.append((index, tuple(pv.root().slot for pv in args) + extra,
+                                tuple(pv.byte_offset for pv in args) + (0,) * len(extra)))
                     labels.append(op.label)
                     if separate:
                         flush()
@@ -314,6 +401,10 @@ class CompiledBackend(Backend):
 
     selection: ClassVar[Selection]
     device: ClassVar[str] = "cpu"
+    dynamic_shapes: ClassVar[bool] = False
+    """Whether the backend's kernels take symbolic sizes as arguments (its ``kernel_source``
+    fills a kernel's size table, see :mod:`.dynamic`): then a graph with symbolic shapes is
+    built once and runs at every size in range."""
     selection_file: ClassVar[str] = "selection.json"
     """Where ``select="time"`` keeps its choices, in the compile cache folder."""
 
@@ -330,7 +421,7 @@ class CompiledBackend(Backend):
             raise BackendError(f"kiln backend '{self.name}': option select={opts['select']!r} is not one of "
                                f"{', '.join(SELECT_MODES)}")
         dynamic = [v for v in (*graph.inputs, *graph.params) if not v.type.is_static]
-        if dynamic:
+        if dynamic and not self.dynamic_shapes:
             raise BackendError(f"kiln backend '{self.name}' runs static shapes only; %{dynamic[0].name} has type "
                                f"{dynamic[0].type}; capture with concrete example inputs")
 
@@ -363,6 +454,9 @@ class CompiledBackend(Backend):
 
         def measure(node: Node, impl: str) -> float:
             probe, target = probe_graph(node)
+            if is_dynamic(probe):  # a symbolic node is timed at its graph's sample sizes
+                probe = specialize(probe, sample_sizes(probe))
+                target = probe.nodes[0]
             rule = self.selection.rule
             exe = self.pipeline({**opts, "poison": False}).run(
                 probe, lambda n: Choice(impl, "probe") if n is target else rule(n))

@@ -10,12 +10,13 @@ which work on a tensor of any device, so every backend shares them.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
 
 from kiln.ir import Node
+from kiln.ir.sizes import concrete
 from kiln.ir.types import normalize_dim
 
 
@@ -32,40 +33,49 @@ class LibraryCall:
 
 
 ViewFunction = Callable[[torch.Tensor], torch.Tensor]
+Sizes = Mapping[str, int] | None
+"""Values of a symbolic graph's named sizes: view functions are made at them (``None``:
+static shapes)."""
 
 
-def _reshape(node: Node) -> ViewFunction:
-    shape = tuple(node.outputs[0].shape)
+def _at(value, sizes: Sizes):
+    return value if sizes is None else concrete(value, sizes)
+
+
+def _reshape(node: Node, sizes: Sizes = None) -> ViewFunction:
+    shape = tuple(_at(tuple(node.outputs[0].shape), sizes))
     return lambda t: t.reshape(shape)
 
 
-def _permute(node: Node) -> ViewFunction:
+def _permute(node: Node, sizes: Sizes = None) -> ViewFunction:
     rank = node.inputs[0].type.rank
     dims = tuple(normalize_dim(d, rank) for d in node.attrs["dims"])
     return lambda t: t.permute(dims)
 
 
-def _expand(node: Node) -> ViewFunction:
-    shape = tuple(node.outputs[0].shape)
+def _expand(node: Node, sizes: Sizes = None) -> ViewFunction:
+    shape = tuple(_at(tuple(node.outputs[0].shape), sizes))
     return lambda t: t.expand(shape)
 
 
-def _slice(node: Node) -> ViewFunction:
+def _slice(node: Node, sizes: Sizes = None) -> ViewFunction:
     axis = normalize_dim(node.attrs["dim"], node.inputs[0].type.rank)
-    index = (slice(None),) * axis + (slice(node.attrs["start"], node.attrs["end"], node.attrs["step"]),)
+    start, end, step = (_at(node.attrs[k], sizes) for k in ("start", "end", "step"))
+    index = (slice(None),) * axis + (slice(start, end, step),)
     return lambda t: t[index]
 
 
-def _select(node: Node) -> ViewFunction:
-    dim, index = node.attrs["dim"], node.attrs["index"]
+def _select(node: Node, sizes: Sizes = None) -> ViewFunction:
+    dim, index = node.attrs["dim"], _at(node.attrs["index"], sizes)
     return lambda t: t.select(dim, index)
 
 
-VIEWS: dict[str, Callable[[Node], ViewFunction]] = {
+VIEWS: dict[str, Callable[..., ViewFunction]] = {
     "reshape": _reshape, "permute": _permute, "expand": _expand, "slice": _slice, "select": _select,
 }
-"""View op -> builder of its zero-copy torch function (``reshape`` copies only when torch
-must, exactly as ``Tensor.reshape`` does)."""
+"""View op -> builder of its zero-copy torch function, ``VIEWS[op](node, sizes=None)``, at
+the symbolic sizes ``sizes`` of a dynamic graph (``reshape`` copies only when torch must,
+exactly as ``Tensor.reshape`` does)."""
 
 
 __all__ = ["VIEWS", "LibraryCall", "ViewFunction"]

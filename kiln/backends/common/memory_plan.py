@@ -14,7 +14,7 @@ buffer that is alive at the same time.  ``MemoryPlan.arena_bytes`` is the planne
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
 ALIGNMENT = 64
@@ -95,6 +95,56 @@ def plan_memory(requests: Sequence[BufferRequest]) -> MemoryPlan:
     return MemoryPlan(offsets, {r.key: r.nbytes for r in requests}, arena, total)
 
 
+@dataclass(frozen=True)
+class SymbolicMemoryPlan:
+    """The memory plan of buffers whose sizes are expressions of a graph's symbolic sizes.
+
+    The placement is found once, greedily at sample sizes (:func:`plan_memory`); what is
+    kept is its *order*: buffers sorted by their sample offset, and for each the buffers
+    alive at the same time placed below it.  :meth:`evaluate` lays the buffers out in that
+    order at actual sizes, each at the aligned end of the highest buffer below it, in one
+    pass over the buffers and those pairs.  Two buffers alive together are ordered, so they
+    never overlap, at any sizes."""
+
+    keys: tuple[Hashable, ...]
+    """Buffers in placement order."""
+    below: tuple[tuple[int, ...], ...]
+    """For each buffer (by position in ``keys``), the earlier positions it must sit above."""
+    nbytes: Callable[[Sequence[int]], list[int]]
+    """Byte sizes of ``keys`` from the size values."""
+
+    def evaluate(self, sizes: Sequence[int]) -> tuple[dict[Hashable, int], int]:
+        """Offsets (key -> bytes) and the arena size at the size values ``sizes``."""
+        ends: list[int] = []
+        offsets: dict[Hashable, int] = {}
+        arena = 0
+        for key, below, n in zip(self.keys, self.below, self.nbytes(sizes)):
+            offset = max((ends[j] for j in below), default=0)
+            end = offset + _align(max(n, 1))
+            ends.append(end)
+            offsets[key] = offset
+            arena = max(arena, end)
+        return offsets, arena
+
+
+def plan_symbolic(requests: Sequence[BufferRequest],
+                  nbytes: Callable[[Sequence[int]], list[int]]) -> SymbolicMemoryPlan:
+    """The symbolic plan of ``requests`` (their ``nbytes`` taken at sample sizes; ``nbytes``
+    gives each request's byte size, in request order, from the size values)."""
+    sample = plan_memory(requests)
+    order = sorted(range(len(requests)), key=lambda i: (sample.offsets[requests[i].key], i))
+    position = {i: p for p, i in enumerate(order)}
+    below = []
+    for i in order:
+        r = requests[i]
+        below.append(tuple(sorted(position[j] for j in order[:position[i]] if requests[j].overlaps_in_time(r))))
+
+    def ordered(sizes: Sequence[int]) -> list[int]:
+        values = nbytes(sizes)
+        return [values[i] for i in order]
+    return SymbolicMemoryPlan(tuple(requests[i].key for i in order), tuple(below), ordered)
+
+
 def check_plan(plan: MemoryPlan, requests: Sequence[BufferRequest]) -> None:
     """Raise ``AssertionError`` if two buffers alive at the same time overlap in memory."""
     reqs = list(requests)
@@ -110,4 +160,5 @@ def check_plan(plan: MemoryPlan, requests: Sequence[BufferRequest]) -> None:
             assert a_hi <= b_lo or b_hi <= a_lo, f"{a.key} and {b.key} are alive together but overlap"
 
 
-__all__ = ["ALIGNMENT", "BufferRequest", "MemoryPlan", "check_plan", "plan_memory"]
+__all__ = ["ALIGNMENT", "BufferRequest", "MemoryPlan", "SymbolicMemoryPlan", "check_plan", "plan_memory",
+           "plan_symbolic"]

@@ -52,10 +52,12 @@ import torch
 
 from kiln.backends.base import Backend, unsupported_node
 from kiln.ir import Graph, Node, Value
+from kiln.ir.sizes import concrete_type, has_sizes, is_dynamic
 from kiln.ir.types import TensorType
 from kiln.runtime.tensors import from_numpy, torch_dtype
 
 from .absorb import absorb_views
+from .dynamic import sample_sizes, size_names
 from .library import VIEWS, LibraryCall
 from .memory_plan import BufferRequest
 from .select import Choice, anchor_of
@@ -111,6 +113,11 @@ class PlanOp:
     view: Callable[[torch.Tensor], torch.Tensor] | None = None
     gemm: Any = None
     temps: list[PlanValue] = field(default_factory=list)
+    source: Node | None = None
+    """The node a library call or view was made from (remade at each set of sizes of a
+    symbolic graph, :mod:`.dynamic`)."""
+    remake: Callable[[Node], LibraryCall] | None = None
+    """How the library call is made from a node (its node at concrete sizes)."""
 
     @property
     def args(self) -> list[PlanValue]:
@@ -136,6 +143,10 @@ class GraphPlan:
     ops: list[PlanOp]
     outputs: list[PlanValue]
     choices: dict[str, str] = field(default_factory=dict)
+    sizes: tuple[str, ...] = ()
+    """The named sizes of a symbolic graph (size-table order); empty for static shapes."""
+    sample: dict[str, int] | None = None
+    """The sizes the ``meta`` layouts of a symbolic graph were predicted at."""
 
     @property
     def kernels(self) -> list[PlanOp]:
@@ -151,6 +162,8 @@ class Partitioner:
         self.values: list[PlanValue] = []
         self.ops: list[PlanOp] = []
         self.of: dict[Value, PlanValue] = {}
+        self.sample: dict[str, int] | None = sample_sizes(graph) if is_dynamic(graph) else None
+        """Sizes at which a symbolic graph's layouts are predicted (``None``: static shapes)."""
         self.param_slots: set[int] = set()
         """Slots of the graph's parameters: the only operands a GEMM may read from a packed
         copy kept across calls (an input's tensor can be new at each call at the address and
@@ -187,7 +200,8 @@ class Partitioner:
     def new(self, type: TensorType, name: str, origin: str, **kw) -> PlanValue:
         pv = PlanValue(len(self.values), type, name, origin, **kw)
         if pv.meta is None:
-            pv.meta = torch.empty(tuple(type.shape), dtype=torch_dtype(type.dtype), device="meta")
+            shape = type.shape if type.is_static or self.sample is None else concrete_type(type, self.sample).shape
+            pv.meta = torch.empty(tuple(shape), dtype=torch_dtype(type.dtype), device="meta")
         self.values.append(pv)
         return pv
 
@@ -196,6 +210,9 @@ class Partitioner:
         label = f"%{', %'.join(v.name for v in node.outputs)} = {node.op_name}"
         ins = [self.of[v] for v in node.inputs]
         impl = choice.impl
+        if impl == "fold" and self.sample is not None and (
+                any(has_sizes(a) for a in node.attrs.values()) or not node.outputs[0].type.is_static):
+            impl = "reference"  # a symbolic creation: made at each call's sizes
         if impl == "view":
             self.view(node, ins[0], label)
         elif impl == "fold":
@@ -205,9 +222,11 @@ class Partitioner:
         elif impl == "library" and node.op_name == "matmul" and self.gemm(node, ins, label):
             pass
         elif impl == "library":
-            self.library(self.library_call(node, self.persistent(ins)), ins, list(node.outputs), label)
+            persistent = self.persistent(ins)
+            self.library(self.library_call(node, persistent), ins, list(node.outputs), label,
+                         remake=lambda n, p=persistent: self.library_call(n, p), source=node)
         elif impl == "reference":
-            self.library(self.host_call(node), ins, list(node.outputs), label)
+            self.library(self.host_call(node), ins, list(node.outputs), label, remake=self.host_call, source=node)
         elif impl == "library+epilogue":
             self.library_epilogue(node, ins, label)
         elif impl == "generated":
@@ -219,7 +238,7 @@ class Partitioner:
             raise ValueError(f"unknown implementation {impl!r} for node {label}")
 
     def view(self, node: Node, source: PlanValue, label: str) -> None:
-        fn = VIEWS[node.op_name](node)
+        fn = VIEWS[node.op_name](node, self.sample)
         meta = fn(source.meta)
         out = node.outputs[0]
         if meta._is_view():
@@ -227,14 +246,17 @@ class Partitioner:
         else:  # torch's reshape copies here: a new contiguous tensor
             pv = self.new(out.type, out.name, "returned")
         self.of[out] = pv
-        self.ops.append(PlanOp("view", [source], [pv], label, view=fn))
+        self.ops.append(PlanOp("view", [source], [pv], label, view=fn, source=node))
 
-    def library(self, call: LibraryCall, ins: list[PlanValue], outs: list[Value], label: str) -> list[PlanValue]:
-        """A library call's operation; its result values (buffers it writes into, or new tensors)."""
+    def library(self, call: LibraryCall, ins: list[PlanValue], outs: list[Value], label: str,
+                remake: Callable[[Node], LibraryCall] | None = None, source: Node | None = None) -> list[PlanValue]:
+        """A library call's operation; its result values (buffers it writes into, or new tensors).
+        ``remake(node)`` makes the call again from ``source`` at concrete sizes (symbolic graphs)."""
         origin = "buffer" if call.writes_into else "returned"
         pvs = [self.new(v.type, v.name, origin) for v in outs]
         self.of.update(zip(outs, pvs))
-        self.ops.append(PlanOp("library", ins, pvs, f"{label} [{call.label}]", call=call))
+        self.ops.append(PlanOp("library", ins, pvs, f"{label} [{call.label}]", call=call, source=source,
+                               remake=remake))
         return pvs
 
     def library_epilogue(self, node: Node, ins: list[PlanValue], label: str) -> None:
@@ -253,8 +275,10 @@ class Partitioner:
         if spec is not None:
             anchor_pv = self.new(result.type, result.name, "buffer")
         else:
-            anchor_pv = self.library(self.library_call(anchor, self.persistent(anchor_ins)), anchor_ins, [result],
-                                     f"%{result.name} = {anchor.op_name}")[0]
+            persistent = self.persistent(anchor_ins)
+            anchor_pv = self.library(self.library_call(anchor, persistent), anchor_ins, [result],
+                                     f"%{result.name} = {anchor.op_name}",
+                                     remake=lambda n, p=persistent: self.library_call(n, p), source=anchor)[0]
         outs: list[PlanValue] = []
         for graph_out, body_out in zip(node.outputs, body.outputs):
             if body_out is result:
@@ -393,7 +417,8 @@ class Partitioner:
         outputs = self.outputs()
         self.prune_views(outputs)
         self.releases(outputs)
-        return GraphPlan(graph, self.values, args, self.ops, outputs, choices)
+        return GraphPlan(graph, self.values, args, self.ops, outputs, choices,
+                         size_names(graph) if self.sample is not None else (), self.sample)
 
 
 def kernel_template(node: Node) -> str:
@@ -435,9 +460,10 @@ def split_epilogue(body: Graph, anchor: Node) -> tuple[Graph | None, list[Value]
     return epi, used
 
 
-def lifetimes(plan: GraphPlan) -> list[BufferRequest]:
+def lifetimes(plan: GraphPlan, sizes: dict[str, int] | None = None) -> list[BufferRequest]:
     """Lifetimes of the arena buffers: values written in place, not escaping, from the
-    operation that writes them to the last one reading them or a view of them."""
+    operation that writes them to the last one reading them or a view of them (byte sizes
+    of symbolic types at ``sizes``)."""
     first: dict[int, int] = {}
     last: dict[int, int] = {}
     for i, op in enumerate(plan.ops):
@@ -450,7 +476,9 @@ def lifetimes(plan: GraphPlan) -> list[BufferRequest]:
             root = pv.root()
             if root.origin == "buffer" and not root.fresh:
                 last[root.slot] = max(last.get(root.slot, i), i)
-    return [BufferRequest(slot, plan.values[slot].type.nbytes, first[slot], last[slot]) for slot in first]
+    def nbytes(t: TensorType) -> int:
+        return t.nbytes if sizes is None or t.is_static else concrete_type(t, sizes).nbytes
+    return [BufferRequest(slot, nbytes(plan.values[slot].type), first[slot], last[slot]) for slot in first]
 
 
 __all__ = ["GraphPlan", "Partitioner", "PlanOp", "PlanValue", "kernel_template", "lifetimes", "split_epilogue"]

@@ -46,6 +46,8 @@ from kiln.backends.common.build import PROFILE_ENV_VAR, BuildPipeline, CompiledB
 from kiln.backends.common.partition import GraphPlan, PlanOp
 from kiln.backends.common.select import Choice
 from kiln.ir import Graph, Node
+from kiln.ir.sizes import graph_sizes
+from kiln.ir.types import SizeRange
 from kiln.runtime.cache import CompileCache
 from kiln.runtime.call_plan import HostLauncher, Step, TorchStep
 
@@ -55,6 +57,11 @@ from .gemm import KILN_PROVIDER, PROVIDERS, GemmTuner, blas_providers, set_blas_
 from .library import SELECTION, reference_call
 from .packing import pack_step
 from .partition import CpuPartitioner
+
+
+GEMM_BUCKETS = (8, 32, 128, 512)
+"""Values of a graph's one named size at which its GEMM providers are tuned (see
+:meth:`CpuBuild.size_buckets`)."""
 
 
 class CpuExecutable(CompiledExecutable):
@@ -71,6 +78,7 @@ class CpuBackend(CompiledBackend):
     }
     selection = SELECTION
     device: ClassVar[str] = "cpu"
+    dynamic_shapes: ClassVar[bool] = True
 
     def pipeline(self, opts: Mapping[str, Any]) -> CpuBuild:
         threads = int(opts["threads"] or torch.get_num_threads())
@@ -102,11 +110,23 @@ class CpuBuild(BuildPipeline):
     def partition(self, graph: Graph, choose: Callable[[Node], Choice]) -> GraphPlan:
         tuner = self.tuner
         gemm = tuner.choose if blas_providers() or tuner.micro is not None else None
-        return CpuPartitioner(graph, self.backend, gemm).run(choose)
+        return CpuPartitioner(graph, self.backend, gemm, tune_sizes=getattr(self, "tune_sizes", None)).run(choose)
+
+    def size_buckets(self, graph: Graph) -> list[dict[str, int]]:
+        """GEMM provider buckets of a graph with one named size: the size at
+        :data:`GEMM_BUCKETS` (inside its range).  The tuner times each GEMM at each bucket;
+        a variant is compiled only for buckets whose fastest providers differ (kiln's GEMM
+        at a few rows, a BLAS at many, for instance)."""
+        names = sorted(graph_sizes(graph))
+        if len(names) != 1 or not any(n.op.has("matmul") or n.op_name in ("matmul", "fused") for n in graph.nodes):
+            return []
+        r = graph.sizes.get(names[0], SizeRange())
+        values = sorted({max(r.lo, v if r.hi is None else min(v, r.hi)) for v in GEMM_BUCKETS})
+        return [{names[0]: v} for v in values]
 
     def code_options(self, plan: GraphPlan) -> dict[str, Any]:
         return {"threads": self.threads, "schedule": self.schedule, "choices": plan.choices,
-                "gemm": _providers(plan)}
+                "gemm": _providers(plan), "schedule_records": _records_digest(self)}
 
     def build_identity(self) -> str:
         return toolchain.build_identity()
@@ -114,6 +134,7 @@ class CpuBuild(BuildPipeline):
     def kernel_source(self, symbol: str, op: PlanOp) -> tuple[KernelSource, list]:
         """The kernel of ``op`` (its GEMM and/or its lowered, sanitized, scheduled loop program)
         and the schedule's trace."""
+        from kiln.ir.loops.expr import SIZE_PREFIX  # noqa: PLC0415
         from kiln.passes.lower import lower_node  # noqa: PLC0415 (the loop IR loads on a cache miss only)
 
         from .schedules import default_schedule  # noqa: PLC0415
@@ -123,16 +144,23 @@ class CpuBuild(BuildPipeline):
             return KernelSource(symbol, None, (*head, "gemm_c"), comment=op.label, gemm=op.gemm), []
         lowered = lower_node(op.node)
         program, renamed = sanitize_program(lowered.program)
+        order = getattr(self, "size_order", {})
+        size_table = {new.name: order[old.name[len(SIZE_PREFIX):]]
+                      for old, new in zip(lowered.program.params, program.params)}
         trace: list = []
         if self.schedule:
-            scheduled = default_schedule(program, op.template, threads=self.threads)
+            hints = getattr(self, "size_hint", {})
+            hint = {name: hints[index] for name, index in size_table.items()} if size_table else None
+            scheduled = default_schedule(program, op.template, threads=self.threads, records=self.cache.directory,
+                                         size_hint=hint)
             program, trace = scheduled.program, scheduled.trace
         names = (*head, *dict.fromkeys(renamed[n] for n in lowered.inputs), *(renamed[n] for n in lowered.outputs))
         if len(names) != len(op.args):
             raise BackendError(f"kiln bug: kernel {op.label} has {len(op.args)} arguments but its program "
                                f"{len(names)} buffers")
         constants = {renamed[name]: data for name, data in lowered.constants.items()}
-        return KernelSource(symbol, program, names, constants, comment=op.label, gemm=op.gemm), trace
+        return KernelSource(symbol, program, names, constants, comment=op.label, gemm=op.gemm,
+                            size_table=size_table), trace
 
     def source_identity(self, source: KernelSource) -> str:
         return kernel_function(replace(source, symbol="kiln_same", comment=""))
@@ -165,6 +193,16 @@ class CpuBuild(BuildPipeline):
 
     def pack_step(self, op: PlanOp) -> Step:
         return pack_step(op)
+
+
+def _records_digest(build: CpuBuild) -> str:
+    """The tuning records of this machine (:mod:`kiln.backends.common.records`): part of the
+    cache key, so a new record rebuilds the graphs it may change."""
+    if not build.schedule:
+        return "off"
+    from kiln.backends.common.records import machine_key, store_for  # noqa: PLC0415
+
+    return store_for(build.cache.directory).digest(machine_key(build.threads))
 
 
 def _providers(plan: GraphPlan) -> list[str]:
@@ -229,4 +267,4 @@ def _reference_into(node: Node) -> Callable[..., None]:
     return reference_into
 
 
-__all__ = ["PROFILE_ENV_VAR", "CpuBackend", "CpuBuild", "CpuExecutable", "build_executable", "kernel_fallback"]
+__all__ = ["GEMM_BUCKETS", "PROFILE_ENV_VAR", "CpuBackend", "CpuBuild", "CpuExecutable", "build_executable", "kernel_fallback"]

@@ -84,6 +84,10 @@ class KernelSource:
     comment: str = ""
     gemm: GemmSpec | None = None
     """A GEMM run first on ``args[0]``, ``args[1]`` into ``args[2]`` (:mod:`.gemm`)."""
+    size_table: Mapping[str, int] = field(default_factory=dict)
+    """Size parameters read at run time: parameter name -> its index in the size table, a
+    ``const long *`` passed after the buffers (``args[len(args)]``).  A graph with
+    symbolic shapes is compiled once; each call passes its sizes this way."""
 
 
 # ----------------------------------------------------------------------------- renaming
@@ -341,7 +345,8 @@ def kernel_function(kernel: KernelSource) -> str:
         if len(kernel.args) < 3:
             raise ValueError(f"kernel {kernel.symbol}: a GEMM needs three args (A, B, C)")
         parts.append(gemm_function(f"{kernel.symbol}_gemm", kernel.gemm))
-        calls.append(f"{kernel.symbol}_gemm(args[0], args[1], args[2]);")
+        sizes = f", (const long *)args[{len(kernel.args)}]" if kernel.gemm.m_expr else ""
+        calls.append(f"{kernel.symbol}_gemm(args[0], args[1], args[2]{sizes});")
     if kernel.program is not None:
         parts.append(_program_function(kernel, position, calls))
     body = "\n  ".join(calls)
@@ -364,7 +369,9 @@ def _program_function(kernel: KernelSource, position: dict[str, int | str], call
         position[name] = f"{kernel.symbol}_c{i}"
     body_name = f"{kernel.symbol}_body"
     lines.append(KernelPrinter(program).function(body_name) + "\n")
-    call_args = [_param_literal(q, kernel.params) for q in kernel.program.params if q.dtype.is_integer]
+    sizes = f"((const long *)args[{len(kernel.args)}])"
+    call_args = [f"{sizes}[{kernel.size_table[q.name]}]" if q.name in kernel.size_table
+                 else _param_literal(q, kernel.params) for q in kernel.program.params if q.dtype.is_integer]
     call_args += [_param_literal(q, kernel.params) for q in kernel.program.params if not q.dtype.is_integer]
     call_args += [f"args[{position[b]}]" if isinstance(position[b], int) else f"(void *){position[b]}"
                   for b in globals_]

@@ -110,6 +110,10 @@ class GemmSpec:
     packed_b: bool = False
     """B is read from a prepared copy of the (transposed) weight that the runtime keeps up
     to date (a :class:`kiln.runtime.call_plan.PackStep` of :mod:`.packing`)."""
+    m_expr: str = ""
+    """For a graph with symbolic sizes: M as a C expression of the kernel's size table ``S``
+    (``S[0] * S[1]``), read at each call; ``m`` is then its value at the build's sample
+    sizes (what the tuner times)."""
 
     @property
     def flops(self) -> int:
@@ -172,23 +176,29 @@ def _merge_batch(spec: GemmSpec) -> GemmSpec:
 
 
 def gemm_function(name: str, spec: GemmSpec) -> str:
-    """``static void name(const T *A, const T *B, T *C)`` running ``spec``."""
+    """``static void name(const T *A, const T *B, T *C)`` running ``spec`` (with a symbolic
+    M, ``m_expr``, a fourth parameter ``const long *S``: the kernel's size table)."""
     ctype = _CTYPE[spec.dtype]
-    lines = [f"static void {name}(const {ctype} *A, const {ctype} *B, {ctype} *C) {{"]
+    if spec.m_expr and spec.batch:
+        raise ValueError("a GEMM with a symbolic M has no batch loop")
+    size_param = ", const long *S" if spec.m_expr else ""
+    m_text = f"({spec.m_expr})" if spec.m_expr else f"{spec.m}L"
+    lines = [f"static void {name}(const {ctype} *A, const {ctype} *B, {ctype} *C{size_param}) {{"]
     if spec.provider == KILN_PROVIDER:
         am, ak = (spec.a.ld, 1) if spec.a.trans == "N" else (1, spec.a.ld)
         bk, bn = (0, 0) if spec.packed_b else (spec.b.ld, 1) if spec.b.trans == "N" else (1, spec.b.ld)
-        call = (f"kiln_mgemm({spec.m}L, {spec.n}L, {spec.k}L, A + a_off, {am}L, {ak}L, B + b_off, {bk}L, {bn}L, "
+        call = (f"kiln_mgemm({m_text}, {spec.n}L, {spec.k}L, A + a_off, {am}L, {ak}L, B + b_off, {bk}L, {bn}L, "
                 f"{int(spec.packed_b)}, C + c_off, {max(spec.n, 1)}L);")
     else:
         index = _INDEX[spec.provider][0]
         routine = f"kiln_{'s' if spec.dtype == DType.float32 else 'd'}gemm_{spec.provider}"
-        lines += [(f"  const {index} m = {spec.n}, n = {spec.m}, k = {spec.k}, lda = {spec.b.ld}, "
+        n_text = f"({index}){m_text}" if spec.m_expr else f"{spec.m}"
+        lines += [(f"  const {index} m = {spec.n}, n = {n_text}, k = {spec.k}, lda = {spec.b.ld}, "
                    f"ldb = {spec.a.ld}, ldc = {max(spec.n, 1)};"),
                   f"  const {ctype} one = 1, zero = 0;"]
         call = (f"{routine}(\"{spec.b.trans}\", \"{spec.a.trans}\", &m, &n, &k, &one, B + b_off, &lda, "
                 "A + a_off, &ldb, &zero, C + c_off, &ldc);")
-    if spec.m == 0 or spec.n == 0:
+    if (spec.m == 0 and not spec.m_expr) or spec.n == 0:
         lines.append("  (void)A; (void)B; (void)C;")
     elif not spec.batch:
         lines.append("  const long a_off = 0, b_off = 0, c_off = 0;")
@@ -387,6 +397,22 @@ def _blas_runner(spec: GemmSpec, provider: BlasProvider) -> Callable[[], None]:
            a.data_ptr(), ldb, ctypes.addressof(zero), c.data_ptr(), ldc)
 
     return run
+
+
+def size_c_expr(e, order: dict[str, int]) -> str:
+    """The C text of a loop-IR integer expression of size parameters (``size_<n>``, read from
+    the size table ``S`` at ``order[n]``), sums, products and floor divisions by constants."""
+    from kiln.ir.loops.expr import SIZE_PREFIX, Binary, Const, Var  # noqa: PLC0415
+
+    if isinstance(e, Const):
+        return f"{int(e.value)}L"
+    if isinstance(e, Var) and e.name.startswith(SIZE_PREFIX):
+        return f"S[{order[e.name[len(SIZE_PREFIX):]]}]"
+    if isinstance(e, Binary) and e.op in ("+", "*"):
+        return f"({size_c_expr(e.lhs, order)} {e.op} {size_c_expr(e.rhs, order)})"
+    if isinstance(e, Binary) and e.op == "floordiv" and isinstance(e.rhs, Const) and int(e.rhs.value) > 0:
+        return f"({size_c_expr(e.lhs, order)} / {size_c_expr(e.rhs, order)})"  # sizes are positive
+    raise ValueError(f"size expression {e} has no C form here")
 
 
 __all__ = ["KILN_PROVIDER", "PROVIDERS", "TUNE_MIN_FLOPS", "TUNE_SECONDS", "BlasProvider", "GemmSpec", "GemmTuner",

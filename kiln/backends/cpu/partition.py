@@ -19,15 +19,18 @@ convolution chains.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 from kiln.backends.base import Backend, get_backend
 from kiln.backends.common.absorb import permute_result
 from kiln.backends.common.library import VIEWS, LibraryCall
 from kiln.backends.common.partition import GraphPlan, Partitioner, PlanOp, PlanValue
+from kiln.backends.common.dynamic import size_names, typical_sizes
 from kiln.backends.common.select import Choice
+from kiln.ir.loops.expr import size_expr
 from kiln.ir import Graph, Node, Value
 
-from .gemm import KILN_PROVIDER, GemmSpec, gemm_spec
+from .gemm import KILN_PROVIDER, GemmSpec, gemm_spec, size_c_expr
 from .library import library_call, reference_call
 from .microgemm import packed_shape
 
@@ -39,9 +42,12 @@ class CpuPartitioner(Partitioner):
     """The partition of the cpu backend (see the module docstring).  ``gemm_provider``
     (the GEMM tuner's ``choose``) allows native GEMM kernels."""
 
-    def __init__(self, graph: Graph, backend: Backend, gemm: GemmChooser | None = None):
+    def __init__(self, graph: Graph, backend: Backend, gemm: GemmChooser | None = None,
+                 tune_sizes: dict[str, int] | None = None):
         super().__init__(graph, backend)
         self.gemm_provider = gemm
+        self.tune_sizes = tune_sizes
+        """Sizes at which GEMMs with a symbolic M are tuned (default: the scheduling sizes)."""
 
     def library_call(self, node: Node, persistent: list[bool]) -> LibraryCall:
         return library_call(node, persistent)
@@ -55,9 +61,21 @@ class CpuPartitioner(Partitioner):
         transposed weight when the tuner chose one), or ``None``."""
         if self.gemm_provider is None or anchor.op_name != "matmul":
             return None
+        symbolic = not (a.type.is_static and b.type.is_static and anchor.outputs[0].type.is_static)
+        if symbolic and not self._symbolic_m(a, b):
+            return None  # other symbolic GEMMs: a library GEMM (torch.matmul) at each call's sizes
         spec = gemm_spec(a.meta, b.meta, anchor.outputs[0].dtype)
         if spec is None:
             return None
+        if symbolic:
+            if spec.batch or spec.a.trans != "N" or spec.a.ld != a.type.shape[-1]:
+                return None
+            m = a.type.size // a.type.shape[-1]
+            names = size_names(self.graph)
+            typical = self.tune_sizes or dict(zip(names, typical_sizes(self.graph, names)))
+            # M is read at run time; the provider is timed at the typical M (the scheduling sizes)
+            order = {name: i for i, name in enumerate(names)}
+            spec = replace(spec, m=m.evaluate(typical), m_expr=size_c_expr(size_expr(m.expr), order))
         packable = b.root().slot in self.param_slots and b.type.rank == 2 and not spec.batch  # a weight
         spec = self.gemm_provider(spec, packable)
         if not spec.packed_b:
@@ -70,6 +88,14 @@ class CpuPartitioner(Partitioner):
         packed = self.new(packed_type, b.name + ".packed", "packed")
         self.ops.append(PlanOp("pack", [b], [packed], label))
         return spec, packed
+
+    @staticmethod
+    def _symbolic_m(a: PlanValue, b: PlanValue) -> bool:
+        """A GEMM whose only symbolic size is M: a contiguous ``[..., M, K]`` left operand
+        (its leading axes merge into M) with a static K, and a static right matrix (a weight).
+        M is then read from the size table at run time; nothing else depends on the sizes."""
+        return (b.type.is_static and b.type.rank == 2 and a.type.rank >= 2 and isinstance(a.type.shape[-1], int)
+                and a.meta.is_contiguous() and not a.type.is_static)
 
     def gemm(self, node: Node, ins: list[PlanValue], label: str) -> bool:
         """A plain matmul as a native GEMM kernel, when its operands allow one."""
@@ -90,20 +116,25 @@ class CpuPartitioner(Partitioner):
         return spec, [ins[0], b, *ins[2:]]
 
     # ----------------------------------------------------------------- layouts
-    def library(self, call: LibraryCall, ins: list[PlanValue], outs: list[Value], label: str) -> list[PlanValue]:
+    def library(self, call: LibraryCall, ins: list[PlanValue], outs: list[Value], label: str,
+                remake: Callable[[Node], LibraryCall] | None = None, source: Node | None = None) -> list[PlanValue]:
         if call.channels_last and not call.writes_into and len(outs) == 1 and outs[0].type.rank == 4:
-            return [self.channels_last(call, ins, outs[0], label)]
-        return super().library(call, ins, outs, label)
+            return [self.channels_last(call, ins, outs[0], label, remake, source)]
+        return super().library(call, ins, outs, label, remake, source)
 
-    def channels_last(self, call: LibraryCall, ins: list[PlanValue], out: Value, label: str) -> PlanValue:
+    def channels_last(self, call: LibraryCall, ins: list[PlanValue], out: Value, label: str,
+                      remake: Callable[[Node], LibraryCall] | None = None, source: Node | None = None) -> PlanValue:
         """A library call whose NCHW result is laid out channels-last: the slot holds the
         contiguous NHWC tensor, and the NCHW value is a ``permute`` view of it (which kernels
         absorb and torch calls read as it is)."""
         n, c, h, w = out.type.shape
         physical = self.new(out.type.with_shape((n, h, w, c)), out.name + ".nhwc", "returned")
-        fn = call.function
-        library = LibraryCall(lambda *tensors: fn(*tensors).permute(0, 2, 3, 1), False, call.label, True)
-        self.ops.append(PlanOp("library", ins, [physical], f"{label} [{call.label}]", call=library))
+        def nhwc(call: LibraryCall) -> LibraryCall:
+            fn = call.function
+            return LibraryCall(lambda *tensors: fn(*tensors).permute(0, 2, 3, 1), False, call.label, True)
+        again = None if remake is None else (lambda n: nhwc(remake(n)))
+        self.ops.append(PlanOp("library", ins, [physical], f"{label} [{call.label}]", call=nhwc(call),
+                               source=source, remake=again))
         logical = self.new(out.type, out.name, "view", base=physical)
         self.ops.append(self._nchw_view(physical, logical))
         self.of[out] = logical
@@ -116,7 +147,7 @@ class CpuPartitioner(Partitioner):
         view_fn = VIEWS["permute"](to_nchw)
         logical.origin, logical.base, logical.view_node = "view", physical, to_nchw
         logical.meta = view_fn(physical.meta)
-        return PlanOp("view", [physical], [logical], f"%{logical.name} = NCHW view", view=view_fn)
+        return PlanOp("view", [physical], [logical], f"%{logical.name} = NCHW view", view=view_fn, source=to_nchw)
 
     def layouts(self) -> None:
         """Keep convolution chains channels-last: a 4-d kernel result (not a graph output) whose

@@ -54,6 +54,8 @@ import torch
 from kiln.ir import DType, Graph, TensorType, Value
 from kiln.ir.builder import GraphBuilder
 
+from .symbolic import to_dim
+
 aten = torch.ops.aten
 
 LowerFn = Callable[..., Any]
@@ -162,8 +164,14 @@ def has_kiln_dtype(dtype: torch.dtype) -> bool:
 
 
 def tensor_type(t: torch.Tensor) -> TensorType:
-    """The kiln type of a (fake or real) tensor with a static shape."""
-    return TensorType(tuple(int(d) for d in t.shape), kiln_dtype(t.dtype))
+    """The kiln type of a (fake or real) tensor; symbolic sizes (``torch.SymInt``) become
+    kiln sizes (:func:`kiln.frontends.torch.symbolic.to_dim`)."""
+    return TensorType(tuple(to_dim(d) for d in t.shape), kiln_dtype(t.dtype))
+
+
+def dims(shape: Sequence[Any]) -> tuple[Any, ...]:
+    """A shape of ints, torch sizes (``SymInt``) or kiln sizes as kiln ``Dim`` values."""
+    return tuple(to_dim(d) for d in shape)
 
 
 def _scalar_kind(x: Any) -> int:
@@ -253,8 +261,8 @@ class LoweringContext(GraphBuilder):
         return x if dtype is None else super().cast(x, dtype)
 
     def reshape(self, x: Value, shape: Sequence[int]) -> Value:
-        """``x`` reshaped to ``shape`` (ints of any kind, e.g. torch sizes)."""
-        return super().reshape(x, tuple(int(d) for d in shape))
+        """``x`` reshaped to ``shape`` (ints of any kind, torch sizes, kiln sizes)."""
+        return super().reshape(x, dims(shape))
 
     @property
     def out(self) -> TensorType:

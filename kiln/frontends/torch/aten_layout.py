@@ -17,6 +17,7 @@ import torch
 from kiln.ir import DType, Value
 
 from .aten import LoweringContext, aten, lowers, meta, optional_ops
+from .symbolic import to_dim
 
 _INT64_MAX = 2**63 - 1
 
@@ -67,23 +68,32 @@ def _t(ctx: LoweringContext, x: Value) -> Value:
 @lowers(aten.slice.Tensor, *optional_ops("slice_copy.Tensor"))
 def _slice(ctx: LoweringContext, x: Value, dim: int = 0, start: int | None = None,
            end: int | None = None, step: int = 1) -> Value:
-    start = 0 if start is None else int(start)
-    end = _INT64_MAX if end is None else int(end)
+    start = 0 if start is None else _from_end(to_dim(start), x.shape[dim])
+    end = _INT64_MAX if end is None else _from_end(to_dim(end), x.shape[dim])
     if start == 0 and step == 1 and tuple(ctx.out.shape) == tuple(x.shape):
         return x
     return ctx.op("slice", x, dim=dim, start=start, end=end, step=int(step))
 
 
+def _from_end(bound: Any, size: Any) -> Any:
+    """A symbolic slice bound that is negative for every size (``-seq``) counts from the end:
+    kiln's attributes hold sizes, which are never negative."""
+    if isinstance(bound, int) or not bound.expr.could_extract_minus_sign():
+        return bound
+    return bound + size
+
+
 @lowers(aten.narrow.default)
 def _narrow(ctx: LoweringContext, x: Value, dim: int, start: int, length: int) -> Value:
-    if start < 0:
-        start += int(x.shape[dim])
+    start, length = to_dim(start), to_dim(length)
+    if isinstance(start, int) and start < 0:
+        start += x.shape[dim]
     return ctx.op("slice", x, dim=dim, start=start, end=start + length, step=1)
 
 
 @lowers(aten.select.int, *optional_ops("select_copy.int"))
 def _select(ctx: LoweringContext, x: Value, dim: int, index: int) -> Value:
-    return ctx.op("select", x, dim=dim, index=int(index))
+    return ctx.op("select", x, dim=dim, index=to_dim(index))
 
 
 def _split_pieces(ctx: LoweringContext, x: Value, dim: int) -> tuple:

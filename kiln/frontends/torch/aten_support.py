@@ -3,7 +3,7 @@
 :func:`unsupported_reason` is the one test both capture (:mod:`kiln.frontends.torch.capture`) and
 the fallback partitioner (through :func:`is_supported`) use, so they always agree: a
 ``call_function`` node is supported when the ATen table has a rule for its target, every
-tensor it touches has a static shape and a kiln dtype, and the rule's ``check`` accepts the
+tensor it touches has a kiln dtype and a shape that follows from the input shapes, and the rule's ``check`` accepts the
 call.  :func:`source_location` names the user's source line of a node.
 """
 
@@ -62,13 +62,13 @@ def describe_inputs(node: torch.fx.Node) -> str:
     return ", ".join(parts)
 
 
-_DYNAMIC = ("kiln supports only static shapes today: export without dynamic_shapes, or use "
-            "torch.compile(dynamic=False)")
 _DATA_DEPENDENT = ("its size depends on tensor values (an unbacked size such as u0, made by an "
-                   "op like nonzero, masked_select, x[mask] or .item()); kiln compiles static "
-                   "shapes: compute with a fixed shape instead (torch.where(mask, x, other), "
-                   "x.masked_fill(~mask, value), a fixed-size topk), or leave strict=False so that "
-                   "this part runs in PyTorch")
+                   "op like nonzero, masked_select, x[mask] or .item()); kiln compiles shapes that "
+                   "follow from the input shapes: compute with a fixed shape instead "
+                   "(torch.where(mask, x, other), x.masked_fill(~mask, value), a fixed-size topk), "
+                   "or leave strict=False so that this part runs in PyTorch")
+_SYMBOLIC_FLOAT = ("kiln's symbolic sizes are integers; compute the float in the tensor program "
+                   "(e.g. torch.tensor(x.shape[-1]).float()) or mark that axis static")
 
 
 def _is_data_dependent(val: Any) -> bool:
@@ -78,17 +78,18 @@ def _is_data_dependent(val: Any) -> bool:
 
 
 def bad_value(val: Any) -> str | None:
-    """Why an example value (fake tensor, scalar, or nest of them) cannot enter kiln."""
+    """Why an example value (fake tensor, scalar, or nest of them) cannot enter kiln.
+    Symbolic sizes that follow from the input shapes (``s0``, ``2*s0``) are fine; sizes made
+    from tensor data (``u0``) and floats of sizes are not."""
     if isinstance(val, (torch.SymInt, torch.SymFloat, torch.SymBool)):
         if _is_data_dependent(val):
             return f"the program computes a Python number ({val}) from tensor data: " + _DATA_DEPENDENT
-        return "the program has symbolic (dynamic) sizes; " + _DYNAMIC
+        if isinstance(val, torch.SymFloat):
+            return f"the program computes a float ({val}) from symbolic sizes; " + _SYMBOLIC_FLOAT
+        return None
     if isinstance(val, torch.Tensor):
-        if any(isinstance(d, torch.SymInt) for d in val.shape):
-            shape = tuple(val.shape)
-            if _is_data_dependent(val):
-                return f"the tensor has a data-dependent shape {shape}: " + _DATA_DEPENDENT
-            return f"the tensor has a symbolic shape {shape}; " + _DYNAMIC
+        if any(isinstance(d, torch.SymInt) for d in val.shape) and _is_data_dependent(val):
+            return f"the tensor has a data-dependent shape {tuple(val.shape)}: " + _DATA_DEPENDENT
         if not has_kiln_dtype(val.dtype):
             return f"dtype {val.dtype} has no kiln equivalent"
         return None
@@ -98,6 +99,17 @@ def bad_value(val: Any) -> str | None:
             if reason:
                 return reason
     return None
+
+
+def is_size_node(node: torch.fx.Node) -> bool:
+    """Whether ``node`` computes a size (``aten.sym_size.int``, ``operator.mul`` of sizes...)
+    rather than a tensor: its example value is an int or a ``SymInt``/``SymBool``.  kiln
+    binds such a node to the size itself (:func:`kiln.frontends.torch.symbolic.to_dim`)."""
+    val = node.meta.get("val")
+    if isinstance(val, bool) or not isinstance(val, (int, torch.SymInt, torch.SymBool)):
+        return False
+    schema = getattr(node.target, "_schema", None)
+    return schema is None or not any(isinstance(a.type, torch.TensorType) for a in schema.returns)
 
 
 def bind_arguments(node: torch.fx.Node) -> list[Any]:
@@ -126,6 +138,8 @@ def unsupported_reason(node: torch.fx.Node) -> str | None:
         return unsupported_reason(source) if isinstance(source, torch.fx.Node) else None
     if node.target in IGNORED_OPS:
         return None
+    if is_size_node(node):
+        return bad_value(node.meta.get("val"))
     rule = rule_for(node.target)
     if rule is None:
         return "the op is not supported by kiln"

@@ -45,14 +45,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import sympy
 import torch
 from torch.utils import _pytree as pytree
 
 from kiln.frontends.errors import CaptureError, UnsupportedOpError
 from kiln.ir import Graph, Value
+from kiln.ir.sizes import graph_sizes
 from kiln.runtime.module import INPUT_UPDATE_PREFIX
 
-from .aten import LoweringContext, kept_ops, kiln_dtype, lowers
+from .aten import LoweringContext, has_kiln_dtype, kept_ops, kiln_dtype, lowers
 from .aten_support import (
     describe_value,
     is_supported,  # noqa: F401  (re-exported: the fallback partitioner's test)
@@ -68,6 +70,7 @@ from .lowering import (
     placeholder_type,
     to_numpy,
 )
+from .symbolic import dim_names, naming, shape_env_of, size_ranges, to_dim
 
 
 def decomposition_table() -> dict[Any, Any]:
@@ -93,8 +96,14 @@ _UNDECOMPOSED = "kiln_undecomposed"  # graph_module.meta flag of programs export
 
 
 def export_program(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *,
-                   decompose: bool | None = None) -> torch.export.ExportedProgram:
-    """``torch.export.export(model, args, kwargs, strict=False)``, decomposed only if needed.
+                   decompose: bool | None = None, dynamic_shapes: Any = None
+                   ) -> torch.export.ExportedProgram:
+    """``torch.export.export(model, args, kwargs, strict=False, dynamic_shapes=...)``,
+    decomposed only if needed.
+
+    ``dynamic_shapes`` is torch.export's argument (``{"x": {0: Dim("batch", min=2, max=64)}}``,
+    ``Dim.AUTO``, ``Dim.DYNAMIC``); the names of the user's ``Dim`` objects are kept on the
+    program (:data:`DIM_NAMES`) so that capture names its sizes after them.
 
     ``decompose=None`` (the default) returns the exported training IR itself when kiln lowers
     every node of it (:func:`lowering_blockers` is empty): re-tracing it through
@@ -105,11 +114,60 @@ def export_program(model: torch.nn.Module, args: tuple, kwargs: dict | None = No
     """
     _refuse_cumulative_batch_norm(model)
     with marked_function_outputs():
-        ep = torch.export.export(model, tuple(args), dict(kwargs or {}), strict=False)
+        ep = torch.export.export(model, tuple(args), dict(kwargs or {}), strict=False,
+                                 dynamic_shapes=dynamic_shapes)
+    names = _dim_names(ep, _ordered_shapes(model, args, kwargs, dynamic_shapes), args, kwargs)
     if decompose is True or (decompose is None and lowering_blockers(ep)):
-        return ep.run_decompositions(decomposition_table())
+        ep = ep.run_decompositions(decomposition_table())
+        ep.graph_module.meta[DIM_NAMES] = names
+        return ep
     ep.graph_module.meta[_UNDECOMPOSED] = True
+    ep.graph_module.meta[DIM_NAMES] = names
     return ep
+
+
+DIM_NAMES = "kiln_dim_names"
+"""``graph_module.meta`` key of an exported program's torch symbol -> ``Dim`` name map."""
+
+
+def _ordered_shapes(model: torch.nn.Module, args: tuple, kwargs: dict | None, dynamic_shapes: Any) -> Any:
+    """``dynamic_shapes`` as a list in the order of the flattened ``(args, kwargs)``: a dict
+    keyed by argument names is ordered by ``forward``'s signature."""
+    if not isinstance(dynamic_shapes, dict):
+        return dynamic_shapes
+    import inspect
+
+    try:
+        params = list(inspect.signature(model.forward).parameters)
+    except (TypeError, ValueError):
+        return dynamic_shapes
+    positional = params[: len(args)]
+    return [dynamic_shapes.get(p) for p in positional] + [dynamic_shapes.get(k) for k in (kwargs or {})]
+
+
+def _dim_names(ep: torch.export.ExportedProgram, dynamic_shapes: Any, args: tuple,
+               kwargs: dict | None) -> dict[str, str]:
+    """torch symbol name (``s77``) -> the user's ``Dim`` name (``batch``) of every input axis
+    ``dynamic_shapes`` names."""
+    if dynamic_shapes is None:
+        return {}
+    from torch.export.graph_signature import InputKind
+
+    flat = pytree.tree_leaves((tuple(args), dict(kwargs or {})))
+    by_axis = dim_names(dynamic_shapes, flat, None)
+    placeholders = [n for n in ep.graph.nodes if n.op == "placeholder"]
+    user = [n for n, spec in zip(placeholders, ep.graph_signature.input_specs)
+            if spec.kind == InputKind.USER_INPUT]
+    names: dict[str, str] = {}
+    for (index, axis), name in by_axis.items():
+        if index >= len(user):
+            continue
+        val = user[index].meta.get("val")
+        if isinstance(val, torch.Tensor) and axis < val.dim():
+            d = val.shape[axis]
+            if isinstance(d, torch.SymInt) and isinstance(d.node.expr, sympy.Symbol):
+                names.setdefault(d.node.expr.name, name)
+    return names
 
 
 # ----------------------------------------------- torch.autograd.Function under export
@@ -214,6 +272,7 @@ def decompose_program(ep: torch.export.ExportedProgram) -> torch.export.Exported
         return ep
     decomposed = ep.run_decompositions(decomposition_table())
     decomposed.graph_module.meta.pop(_UNDECOMPOSED, None)
+    decomposed.graph_module.meta[DIM_NAMES] = ep.graph_module.meta.get(DIM_NAMES) or {}
     return decomposed
 
 
@@ -246,6 +305,29 @@ def lowering_blockers(ep: torch.export.ExportedProgram, limit: int = 8) -> list[
     return reasons[:limit]
 
 
+def user_input_types(ep: torch.export.ExportedProgram) -> tuple[dict[int, Any], dict[str, Any]]:
+    """The kiln type of each tensor user input of ``ep`` (flat user-input index -> type,
+    symbolic where the program is) and the ranges of their sizes."""
+    from torch.export.graph_signature import InputKind
+
+    from .aten import tensor_type
+
+    types: dict[int, Any] = {}
+    placeholders = [n for n in ep.graph.nodes if n.op == "placeholder"]
+    user = [n for n, spec in zip(placeholders, ep.graph_signature.input_specs)
+            if spec.kind == InputKind.USER_INPUT]
+    with naming(ep.graph_module.meta.get(DIM_NAMES) or {}):
+        for i, node in enumerate(user):
+            val = node.meta.get("val")
+            if isinstance(val, torch.Tensor) and has_kiln_dtype(val.dtype):
+                types[i] = tensor_type(val)
+        names: set[str] = set()
+        for t in types.values():
+            names |= {n for d in t.shape if not isinstance(d, int) for n in d.symbols}
+        sizes = size_ranges(ep.range_constraints, names)
+    return types, sizes
+
+
 @dataclass
 class Captured:
     """A captured program: the kiln graph plus what is needed to call it like the model.
@@ -274,6 +356,9 @@ class Captured:
     input_positions: list[int] = field(default_factory=list)
     user_input_names: list[str] = field(default_factory=list)
     param_targets: dict[str, str] = field(default_factory=dict)
+    size_inputs: dict[int, Any] = field(default_factory=dict)
+    """FX path: placeholder index -> the kiln size of each size placeholder (a ``SymInt``
+    Dynamo passes); not graph inputs, the sizes are bound from the tensors' shapes."""
 
 
 # -------------------------------------------------------------- entry points
@@ -293,6 +378,13 @@ def capture_program(ep: torch.export.ExportedProgram, name: str = "main") -> Cap
 
 
 def _lower_program(ep: torch.export.ExportedProgram, name: str) -> Captured:
+    with naming(ep.graph_module.meta.get(DIM_NAMES) or {}):
+        captured = _lower_program_named(ep, name)
+        captured.graph.sizes = size_ranges(ep.range_constraints, set(graph_sizes(captured.graph)))
+    return captured
+
+
+def _lower_program_named(ep: torch.export.ExportedProgram, name: str) -> Captured:
     from torch.export.graph_signature import InputKind, OutputKind
 
     graph = Graph(name)
@@ -396,9 +488,15 @@ def capture_fx(gm: torch.fx.GraphModule, example_inputs: list, *,
     params: dict[str, torch.Tensor] = {}
     input_names: list[str] = []
     positions: list[int] = []
+    sizes: dict[int, Any] = {}
     index = 0
     for node in gm.graph.nodes:
         if node.op == "placeholder":
+            if is_size_placeholder(node):  # a size Dynamo passes: bound from tensor shapes
+                lowerer.bind(node, to_dim(node.meta["val"]))
+                sizes[index] = lowerer.env[node]
+                index += 1
+                continue
             if not isinstance(node.meta.get("val"), torch.Tensor):
                 raise UnsupportedOpError("placeholder", describe_value(node.meta.get("val")), None,
                                          f"input '{node.name}' is not a tensor",
@@ -429,7 +527,38 @@ def capture_fx(gm: torch.fx.GraphModule, example_inputs: list, *,
             raise UnsupportedOpError(node.op, str(node.target), source_location(node),
                                      f"FX node kind '{node.op}' is not supported",
                                      hint="Pass an ATen-level graph (make_fx / aot_export).")
-    return Captured(graph, params, input_names, None, None, positions)
+    _record_ranges(graph, [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"])
+    _refuse_unbound_sizes(graph, sizes)
+    return Captured(graph, params, input_names, None, None, positions, size_inputs=sizes)
+
+
+def is_size_placeholder(node: torch.fx.Node) -> bool:
+    """Whether an FX placeholder is a size (a ``SymInt`` or int Dynamo passes), not a tensor."""
+    val = node.meta.get("val")
+    return isinstance(val, (torch.SymInt, int)) and not isinstance(val, bool)
+
+
+def _record_ranges(graph: Graph, values: list[Any]) -> None:
+    """``graph.sizes`` from the ShapeEnv behind ``values``' symbolic sizes."""
+    env = shape_env_of(values)
+    if env is not None and graph_sizes(graph):
+        graph.sizes = size_ranges(env.var_to_range, set(graph_sizes(graph)))
+
+
+def _refuse_unbound_sizes(graph: Graph, sizes: dict[int, Any]) -> None:
+    """A size input that no tensor input's shape determines (a dynamic Python int) cannot be
+    bound at run time from the shapes: refuse it, naming it."""
+    known = graph_sizes(graph)
+    for index, dim in sizes.items():
+        if isinstance(dim, int):
+            continue
+        missing = dim.symbols - known
+        if missing:
+            raise UnsupportedOpError(
+                "placeholder", str(dim), None,
+                f"input {index} is a dynamic integer {dim} that no tensor input's shape holds",
+                hint="Pass the number as a tensor, or mark it static "
+                "(torch._dynamo.config.specialize_int = True, or torch.compile(dynamic=False)).")
 
 
 def capture(model: torch.nn.Module, example_inputs: Sequence[Any],

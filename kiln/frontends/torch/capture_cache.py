@@ -43,6 +43,7 @@ from kiln.runtime.cache import DocumentCache
 from .aten import has_kiln_dtype, tensor_type
 from .capture import Captured
 from .fingerprint import kiln_source_identity, model_fingerprint
+from .symbolic import describe_dynamic_shapes
 
 CAPTURE_KIND = "capture"
 PASSES_KIND = "passes"
@@ -70,12 +71,16 @@ class CaptureCache:
 
     # ----------------------------------------------------------------- captures
     def capture_key(self, model: torch.nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any],
-                    name: str) -> str | None:
+                    name: str, dynamic_shapes: Any = None) -> str | None:
         """The key of a model's capture, ``None`` when the cache is off or the model cannot
-        be fingerprinted."""
+        be fingerprinted.  ``dynamic_shapes`` (torch.export's argument) is part of the key,
+        so a dynamic capture and a static one never share an entry."""
         if not self.enabled:
             return None
-        return model_fingerprint(model, args, kwargs, extra=f"graph name {name}")
+        extra = f"graph name {name}"
+        if dynamic_shapes is not None:
+            extra += f"; dynamic shapes {describe_dynamic_shapes(dynamic_shapes)}"
+        return model_fingerprint(model, args, kwargs, extra=extra)
 
     def load_capture(self, key: str | None, model: torch.nn.Module) -> Captured | None:
         """The cached capture bound to ``model``'s live tensors, or ``None``."""

@@ -35,8 +35,15 @@ Decompositions that write in place are functionalized again
 (:func:`~kiln.frontends.torch.tracing.trace_functional`): no write reaches kiln
 unfunctionalized.
 
-Graphs with dynamic shapes run eagerly, with one :class:`KilnFallbackWarning` each (pass
-``dynamic=False``).
+Dynamic shapes: when Dynamo marks sizes dynamic (after a second distinct size, or with
+``dynamic=True``) the graph has ``SymInt`` inputs and fake tensors with symbolic shapes.
+kiln traces it on Dynamo's fake inputs (:func:`kiln.frontends.torch.tracing.symbolic_inputs`),
+so its sizes are Dynamo's symbols (``s0``) with the ShapeEnv's ranges (``graph.sizes``), and
+compiles it once.  The compiled callable takes the size arguments Dynamo passes; it binds
+the sizes from the tensor arguments' shapes and checks them (ranges, and the size arguments'
+values) before running (:class:`kiln.frontends.torch.fallback.SizeGuard`).  Dynamo's guards
+cover the ranges it recorded, so a size outside them recompiles in Dynamo before it reaches
+kiln.
 
 The backend is registered under the name ``kiln`` in two ways: the ``torch_dynamo_backends``
 entry point of the installed package, and :func:`install_registration` (run by
@@ -99,10 +106,11 @@ def _graph_name(gm: fx.GraphModule) -> str:
 
 
 def _eager_reason(example_inputs: Sequence[Any]) -> str | None:
-    """Why kiln cannot compile a graph with these inputs yet, or ``None``."""
-    if any(not isinstance(x, torch.Tensor) for x in example_inputs):
-        return ("it has symbolic-size inputs (dynamic shapes), and kiln compiles static shapes only; "
-                "pass dynamic=False to torch.compile")
+    """Why kiln cannot compile a graph with these inputs, or ``None``: inputs other than
+    tensors and sizes (``SymInt``/int, which dynamic shapes add)."""
+    for i, x in enumerate(example_inputs):
+        if not isinstance(x, (torch.Tensor, torch.SymInt, int)) or isinstance(x, bool):
+            return f"input {i} is a {type(x).__name__}, neither a tensor nor a size"
     return None
 
 

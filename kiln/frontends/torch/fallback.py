@@ -40,8 +40,10 @@ from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner, Partit
 from torch.fx.passes.operator_support import OperatorSupportBase
 
 from kiln.backends import DEFAULT_BACKEND, Backend, get_backend
+from kiln.backends.base import BackendError
 from kiln.frontends.errors import CaptureError, UnsupportedOpError
 from kiln.ir import Graph, KilnError
+from kiln.ir.sizes import SizeError, bind_sizes, format_sizes, is_dynamic, specialize
 from kiln.passes.inline_custom_vjp import inline_custom_vjp
 from kiln.passes.pipeline import GraphTransform
 from kiln.runtime.module import RNG_SEED_PARAM, draw_seed
@@ -260,10 +262,12 @@ def _build(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor], param_ind
     graph = inline_custom_vjp(captured.graph)
     graph = transform(graph) if transform is not None else graph
     # Differentiable: in grad mode with inputs requiring grad it runs kiln's forward/backward.
-    executable = DifferentiableGraph(captured.graph, backend.build(graph, dict(options or {})),
+    executable = DifferentiableGraph(captured.graph, build_for_sizes(backend, graph, options),
                                      backend, dict(options or {}), transform)
     n = len(example_inputs)
-    order = [i for i in range(n) if i not in param_indices] + sorted(i for i in param_indices if i < n)
+    sizes = captured.size_inputs
+    order = [i for i in range(n) if i not in param_indices and i not in sizes] \
+        + sorted(i for i in param_indices if i < n)
     # params the lowering added (the random ops' seed) follow the placeholders' params
     extra = [captured.params[v.name] for v in captured.graph.params[len(order) - len(graph.inputs):]]
     seeds = [t for v, t in zip(captured.graph.params[len(order) - len(graph.inputs):], extra)
@@ -273,13 +277,79 @@ def _build(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor], param_ind
             f"kiln internal error: graph @{graph.name} has {len(graph.inputs)} inputs and "
             f"{len(graph.params)} params but the FX graph has {n} placeholders"
         )
+    guard = SizeGuard(captured.graph, order, sizes) if is_dynamic(captured.graph) else None
 
     def run(args: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        if guard is not None:
+            guard.check(args)
         for seed in seeds:
             seed.fill_(draw_seed())
         return executable([*(args[i] for i in order), *extra])
 
     return graph, run
+
+
+def build_for_sizes(backend: Backend, graph: Graph, options: Mapping[str, Any] | None) -> Any:
+    """``backend.build(graph, options)``; for a symbolic graph the backend cannot build
+    (:class:`~kiln.backends.BackendError`: it runs static shapes only), a
+    :class:`SpecializingExecutable` that builds the static graph of each set of sizes it is
+    called with, once (the graph is still captured and optimized once)."""
+    try:
+        return backend.build(graph, dict(options or {}))
+    except BackendError:
+        if not is_dynamic(graph):
+            raise
+        return SpecializingExecutable(graph, lambda g: backend.build(g, dict(options or {})))
+
+
+class SpecializingExecutable:
+    """Runs a symbolic graph on a backend that builds static graphs only: each call binds the
+    sizes from its tensors' shapes (checked against the graph's ranges), and runs the static
+    graph ``specialize(graph, sizes)``, built on first use and kept (``builds``)."""
+
+    def __init__(self, graph: Graph, build: Callable[[Graph], Any]):
+        self.graph = graph
+        self._build = build
+        self.builds: dict[tuple[tuple[str, int], ...], Any] = {}
+        self._values = [*graph.inputs, *graph.params]
+
+    def __call__(self, args: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        symbolic = [k for k, v in enumerate(self._values) if not v.type.is_static]
+        sizes = bind_sizes([self._values[k].type for k in symbolic], [tuple(args[k].shape) for k in symbolic],
+                           [f"graph @{self.graph.name} {self._values[k].origin} '{self._values[k].name}'"
+                            for k in symbolic], self.graph.sizes)
+        key = tuple(sorted(sizes.items()))
+        executable = self.builds.get(key)
+        if executable is None:
+            executable = self.builds[key] = self._build(specialize(self.graph, sizes))
+        return executable(args)
+
+
+class SizeGuard:
+    """Checks a symbolic graph's call before it runs: the named sizes bound from the tensor
+    arguments' shapes lie in the graph's ranges, and every size argument (a ``SymInt``
+    placeholder, passed as an int) equals the size it stands for.  A call that fails raises
+    :class:`~kiln.ir.sizes.SizeError` and nothing runs (under ``torch.compile``, Dynamo's
+    own guards send such sizes to a recompile before they reach kiln)."""
+
+    def __init__(self, graph: Graph, order: Sequence[int], sizes: Mapping[int, Any]):
+        self.types = [v.type for v in (*graph.inputs, *graph.params)]
+        self.order = list(order)
+        self.names = [f"graph @{graph.name} {v.origin} '{v.name}'" for v in (*graph.inputs, *graph.params)]
+        self.sizes = dict(sizes)
+        self.ranges = dict(graph.sizes)
+        self.symbolic = [k for k, t in enumerate(self.types) if not t.is_static]
+
+    def check(self, args: Sequence[Any]) -> dict[str, int]:
+        tensors = [args[self.order[k]] for k in self.symbolic]
+        bound = bind_sizes([self.types[k] for k in self.symbolic], [tuple(t.shape) for t in tensors],
+                           [self.names[k] for k in self.symbolic], self.ranges)
+        for index, dim in self.sizes.items():
+            want = dim if isinstance(dim, int) else dim.evaluate(bound)
+            if int(args[index]) != want:
+                raise SizeError(f"size argument {index} is {int(args[index])}, but the tensor shapes "
+                                f"give {dim} = {want} ({format_sizes(bound)})")
+        return bound
 
 
 def _output_structure(gm: fx.GraphModule) -> tuple[list[Any], pytree.TreeSpec]:
@@ -377,6 +447,8 @@ def _record_submodule_inputs(gm: fx.GraphModule, example_inputs: Sequence[torch.
                              ) -> dict[str, list[torch.Tensor]]:
     """Run ``gm`` once eagerly to get real example inputs of each fused partition."""
     recorder = _InputRecorder(gm)
+    concrete = [int(x.node.hint) if isinstance(x, torch.SymInt) and x.node.hint is not None else x
+                for x in example_inputs]
     with torch.no_grad():
-        recorder.run(*example_inputs)
+        recorder.run(*concrete)
     return recorder.recorded

@@ -31,11 +31,13 @@ from kiln.ir.ops.random import RNG_SEED_PARAM
 from kiln.runtime.module import BUFFER_UPDATE_PREFIX, INPUT_UPDATE_PREFIX
 
 from .aten import IGNORED_OPS, LoweringContext, rule_for, tensor_type
+from .symbolic import to_dim
 from .aten_support import (
     bad_value,
     bind_arguments,
     describe_inputs,
     describe_value,
+    is_size_node,
     source_location,
     unsupported_reason,
 )
@@ -82,6 +84,10 @@ class Lowerer:
             raise UnsupportedOpError(str(node.target), describe_inputs(node), loc, reason)
         if node.target in IGNORED_OPS:
             self.env[node] = None
+            return
+        if is_size_node(node):  # a size, not a tensor: bind the kiln size itself
+            val = node.meta["val"]
+            self.env[node] = None if isinstance(val, torch.SymBool) else to_dim(val)
             return
         if node.target is operator.getitem:
             self.env[node] = self._getitem(node, loc)
@@ -152,8 +158,8 @@ def fresh_name(name: str, used: set[str]) -> str:
     return claim_name(base, used)
 
 
-_STATIC_HINT = ("Capture with example inputs of exactly the shapes you will run; each new shape "
-                "needs a new capture.")
+_STATIC_HINT = ("Pass inputs whose shapes follow from the input shapes and whose dtypes kiln has "
+                "(f32, f16, bf16, f64, integers, bool).")
 
 
 def placeholder_type(node: torch.fx.Node) -> TensorType:

@@ -46,16 +46,41 @@ def lower_to_aten(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor]) ->
     def run(*args: torch.Tensor) -> Any:
         return TracingInterpreter(gm).run(*args)
 
+    fake = symbolic_inputs(gm, example_inputs)
+    if fake is not None:  # dynamic shapes: trace on Dynamo's fake inputs, keeping its sizes
+        inputs, _mode = fake
+        traced = trace_functional(run, inputs, tracing_mode="symbolic")
+        name_placeholders_like(traced, gm)
+        traced.recompile()
+        return traced
     traced = trace_functional(run, example_inputs)
     name_placeholders_like(traced, gm)
     traced.recompile()
     return traced
 
 
+def symbolic_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> tuple[list[Any], Any] | None:
+    """Dynamo's fake inputs of ``gm`` and their fake mode when the graph has symbolic sizes
+    (a ``SymInt`` input, or a placeholder whose example value has a symbolic shape); ``None``
+    for a static graph.  Tracing on them keeps Dynamo's size symbols (``s0``), so the ATen
+    graph's sizes are the ones Dynamo's guards speak of."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    fakes = [n.meta.get("example_value", n.meta.get("val")) for n in placeholders]
+    symbolic = any(isinstance(v, torch.SymInt) for v in (*example_inputs, *fakes)) or any(
+        isinstance(v, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in v.shape) for v in fakes)
+    if not symbolic or len(fakes) != len(example_inputs) or any(v is None for v in fakes):
+        return None
+    modes = {id(m): m for m in (getattr(v, "fake_mode", None) for v in fakes) if m is not None}
+    if len(modes) != 1:
+        return None
+    return fakes, next(iter(modes.values()))
+
+
 _MAX_REFUNCTIONALIZE = 3
 
 
-def trace_functional(fn: Callable[..., Any], example_inputs: Sequence[Any]) -> fx.GraphModule:
+def trace_functional(fn: Callable[..., Any], example_inputs: Sequence[Any], *,
+                     tracing_mode: str = "real") -> fx.GraphModule:
     """``fn`` traced with ``make_fx`` to ATen, functionalized and decomposed with kiln's table.
 
     make_fx applies decompositions below the functionalization layer, so a decomposition
@@ -66,12 +91,13 @@ def trace_functional(fn: Callable[..., Any], example_inputs: Sequence[Any]) -> f
     :class:`KilnError` naming the op: a write is never dropped or lowered as if pure.
     """
     table = decomposition_table()
-    traced = _trace_once(fn, example_inputs, table)
+    traced = _trace_once(fn, example_inputs, table, tracing_mode)
     for _ in range(_MAX_REFUNCTIONALIZE):
         if not _mutations(traced):
             return traced
         previous = traced
-        traced = _trace_once(lambda *args, gm=previous: fx.Interpreter(gm).run(*args), example_inputs, table)
+        traced = _trace_once(lambda *args, gm=previous: fx.Interpreter(gm).run(*args), example_inputs, table,
+                             tracing_mode)
     left = _mutations(traced)
     if left:
         node = left[0]
@@ -84,18 +110,18 @@ def trace_functional(fn: Callable[..., Any], example_inputs: Sequence[Any]) -> f
     return traced
 
 
-def _trace_once(fn: Callable[..., Any], example_inputs: Sequence[Any], table: dict[Any, Any]
-                ) -> fx.GraphModule:
+def _trace_once(fn: Callable[..., Any], example_inputs: Sequence[Any], table: dict[Any, Any],
+                tracing_mode: str = "real") -> fx.GraphModule:
     functional = torch.func.functionalize(fn, remove="mutations")
     # Functionalization writes the traced program's buffer updates back into its real inputs;
     # trace on copies so compiling never changes the model's buffers (parameters are not
-    # written by a forward and are traced as they are).
-    inputs = [x if isinstance(x, torch.nn.Parameter) or not isinstance(x, torch.Tensor)
+    # written by a forward and are traced as they are; nor are fake inputs).
+    inputs = [x if isinstance(x, torch.nn.Parameter) or not isinstance(x, torch.Tensor) or tracing_mode != "real"
               else x.detach().clone() for x in example_inputs]
     grad_mode = torch.is_grad_enabled()
     try:
         with fx_traceback.preserve_node_meta(), torch.no_grad():
-            traced = make_fx(functional, decomposition_table=table, tracing_mode="real")(*inputs)
+            traced = make_fx(functional, decomposition_table=table, tracing_mode=tracing_mode)(*inputs)
     finally:
         torch._C._set_grad_enabled(grad_mode)
     traced.graph.eliminate_dead_code()
@@ -150,6 +176,20 @@ def _dropout(x: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bo
     return y
 
 
+_LINEARS = {torch._C._nn.linear, torch.nn.functional.linear}
+
+
+def _has_symbolic_shape(x: Any) -> bool:
+    return isinstance(x, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in x.shape)
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` of an input with symbolic sizes as ``matmul`` (+ ``bias``): ATen's linear
+    of a batched input reads its sizes as ints in C++, which would specialize them."""
+    y = torch.matmul(x, weight.t())
+    return y if bias is None else y + bias
+
+
 class TracingInterpreter(fx.Interpreter):
     """Runs a Dynamo graph for tracing, with calls whose in-place effects ATen hides
     (train-mode batch norm) replaced by explicit functional forms, and a
@@ -160,6 +200,8 @@ class TracingInterpreter(fx.Interpreter):
             return _train_batch_norm(*args, **kwargs)
         if target in _DROPOUTS:
             return _dropout(*args, **kwargs)
+        if target in _LINEARS and _has_symbolic_shape(args[0]):
+            return _linear(*args, **kwargs)
         if target is FUNCTION_APPLY and target is not None:
             from .autograd_function import apply_function  # it traces with this module
 

@@ -255,7 +255,47 @@ def as_expr(x: Expr | int | float | bool | str) -> Expr:
         return Const(x, DType.float64)
     if isinstance(x, str):
         return Var(x)
+    if type(x).__name__ == "SymDim":  # a symbolic graph size: its size parameters
+        return size_expr(x.expr)
     raise TypeError(f"{x!r} is not a loop-IR expression")
+
+
+SIZE_PREFIX = "size_"
+"""Loop programs name the size parameter of graph size ``seq`` ``size_seq``."""
+
+
+def size_param(name: str) -> str:
+    """The loop-IR parameter of the named graph size ``name``."""
+    return SIZE_PREFIX + name
+
+
+def size_expr(e) -> Expr:
+    """The integer loop-IR expression of a sympy size expression (sums, products, integer
+    powers and ``floor`` of a quotient by a constant); each named size ``n`` becomes the
+    parameter ``size_n`` (:func:`size_param`)."""
+    if e.is_Integer:
+        return Const(int(e))
+    if e.is_Symbol:
+        return Var(size_param(e.name))
+    if e.is_Add or e.is_Mul:
+        if e.is_Mul and any(a.is_Rational and not a.is_Integer for a in e.args):
+            raise TypeError(f"size {e} is not an integer expression")
+        parts = [size_expr(a) for a in e.args]
+        out = parts[0]
+        for p in parts[1:]:
+            out = Binary("+" if e.is_Add else "*", out, p)
+        return out
+    if e.is_Pow and e.exp.is_Integer and int(e.exp) > 0:
+        base = size_expr(e.base)
+        out = base
+        for _ in range(int(e.exp) - 1):
+            out = Binary("*", out, base)
+        return out
+    if type(e).__name__ == "floor":
+        num, den = e.args[0].as_numer_denom()
+        if den.is_Integer and int(den) > 0:
+            return Binary("floordiv", size_expr(num), Const(int(den)))
+    raise TypeError(f"size {e} has no loop-IR form (sums, products and floor(x/c) only)")
 
 
 # ----------------------------------------------------------------------------- traversal

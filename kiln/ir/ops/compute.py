@@ -104,6 +104,14 @@ def const(value: Any, dtype: DType) -> Const:
     return Const(float(dtype.numpy.type(value)), dtype)
 
 
+def size_value(n: Any, dtype: DType) -> Expr:
+    """A size (an int, or a symbolic size read from the kernel's size parameters) as a
+    value of ``dtype``: a literal for a static size, a cast of the size expression else."""
+    if type(n).__name__ == "SymDim":
+        return Cast(dtype, as_expr(n))
+    return const(n, dtype)
+
+
 def convert(e: Expr, src: DType, dst: DType) -> Expr:
     """``e`` (of dtype ``src``) as ``dst``; constants are converted in place."""
     if src == dst:
@@ -317,19 +325,23 @@ class KernelBuilder:
         self.buffers: dict[str, Buffer] = {}
         self.nests: list[Node] = []
         self.constants: dict[str, np.ndarray] = {}
+        self.dims: dict[str, tuple] = {}
+        """Each buffer's shape as graph dims (ints, or symbolic sizes)."""
 
     # ----------------------------------------------------------------- buffers
     def declare(self, hint: str, shape: Sequence[int], dtype: DType, scope: str = "local") -> str:
         """A new buffer named after ``hint`` (sanitized, made unique); returns its name."""
         base = sanitize(hint)
         name = unique_name(base, self.buffers)
-        self.buffers[name] = Buffer(name, tuple(int(n) for n in shape), dtype, scope)
+        dims = tuple(_dim(n) for n in shape)
+        self.buffers[name] = Buffer(name, dims, dtype, scope)
+        self.dims[name] = dims
         return name
 
     def tensor_of(self, name: str) -> Tensor:
         """The buffer ``name`` read element by element."""
         buf = self.buffers[name]
-        shape = tuple(int(d.value) for d in buf.shape)
+        shape = self.dims.get(name) or tuple(int(d.value) for d in buf.shape)
         return Tensor(shape, buf.dtype, lambda i: Load(name, tuple(simplify_index(e) for e in i)), name)
 
     def constant(self, data: np.ndarray, type: TensorType, hint: str) -> Tensor:
@@ -406,8 +418,20 @@ def index_space(shape: Sequence[int]) -> tuple[Index, list[tuple[str, int]]]:
             index.append(Const(0))
             continue
         index.append(Var(f"i{d}"))
-        loops.append((f"i{d}", int(n)))
+        loops.append((f"i{d}", _dim(n)))
     return tuple(index), loops
+
+
+def _dim(n: Any) -> Any:
+    """A graph dim for loop extents and buffer shapes: an int, or a symbolic size (which
+    the loop IR turns into an expression of its size parameters)."""
+    return n if type(n).__name__ == "SymDim" else int(n)
+
+
+def kernel_shape(type: TensorType) -> tuple:
+    """``type``'s shape for lowering: static sizes as ints, symbolic ones as they are (the
+    kernel takes them as size parameters, :func:`kiln.ir.loops.expr.size_param`)."""
+    return tuple(_dim(d) for d in type.shape)
 
 
 def wrap_loops(loops: Sequence[tuple[str, int]], body: list[Node]) -> list[Node]:
@@ -438,7 +462,7 @@ class ComputeContext:
 
     @property
     def out_shape(self) -> tuple[int, ...]:
-        return static_shape(self.outs[0], "result")
+        return kernel_shape(self.outs[0])
 
     def tensor(self, shape: Sequence[int], dtype: DType, fn: Callable[[Index], Expr]) -> Tensor:
         """A lazy tensor; its expressions are converted to ``dtype`` where they differ."""
@@ -511,8 +535,6 @@ def apply_rule(builder: KernelBuilder, op: registry.OpDef, inputs: Sequence[Tens
     if op.compute is None:
         raise LoweringError(f"op '{op.name}' has no compute definition, so it cannot be lowered to "
                             "loops; implement it in the backend (e.g. with its reference)")
-    for t in types:
-        static_shape(t, f"result of {op.name}")
     ctx = ComputeContext(builder, tuple(types), sanitize(hint))
     result = op.compute(ctx, *inputs, **attrs)
     results = result if isinstance(result, tuple) else (result,)
@@ -556,6 +578,6 @@ __all__ = [
     "LoweringError", "Select", "Tensor", "Unary", "all_of", "apply_rule", "as_expr", "broadcast_index",
     "call", "cmp", "compute_dtype", "compute_graph", "const", "convert", "defcompute", "drop_axes",
     "element_cost", "expression_size", "float_compute_dtype", "floordiv", "floormod", "identity",
-    "index_space", "linear_index", "maximum", "minimum", "reshape_index", "sanitize", "select",
-    "simplify_index", "static_shape", "wrap_loops",
+    "index_space", "kernel_shape", "linear_index", "maximum", "minimum", "reshape_index", "sanitize", "select",
+    "simplify_index", "size_value", "static_shape", "wrap_loops",
 ]

@@ -12,7 +12,7 @@ import math
 import numpy as np
 
 from ..registry import Attr, defop
-from ..types import DType, TensorType
+from ..types import DType, SymDim, TensorType
 from ._infer import fmt_shape
 from .compute import const, convert, defcompute
 from .vjp import defvjp, nondifferentiable
@@ -22,6 +22,8 @@ def _arange_bounds(start, end, step, dtype: DType) -> tuple[float, float, int]:
     """``(start, step, length)`` of ``arange`` in the arithmetic torch uses for ``dtype``."""
     if dtype == DType.bool:
         raise TypeError("arange does not produce bool; use an integer or floating dtype")
+    if any(isinstance(v, SymDim) for v in (start, end, step)):
+        return _symbolic_bounds(start, end, step)
     if dtype.is_integer:
         start, end, step = int(start), int(end), int(step)
     if not all(math.isfinite(v) for v in (start, end, step)):
@@ -32,6 +34,23 @@ def _arange_bounds(start, end, step, dtype: DType) -> tuple[float, float, int]:
         raise ValueError(f"arange from {start} to {end} never ends with step {step} "
                          "(the step's sign points away from end)")
     return start, step, max(math.ceil((end - start) / step), 0)
+
+
+def _symbolic_bounds(start, end, step):
+    """``arange`` bounds where some are symbolic sizes: all must be integers, and the
+    direction must be decided for every value of the sizes."""
+    for name, v in (("start", start), ("end", end), ("step", step)):
+        if not isinstance(v, (int, SymDim)) or isinstance(v, bool):
+            raise ValueError(f"arange with a symbolic bound needs integer bounds, got {name}={v!r}")
+    if isinstance(step, SymDim):
+        raise ValueError(f"arange step must be a static integer, got {step}")
+    if step == 0:
+        raise ValueError("arange step must be nonzero")
+    span = end - start
+    if (span < 0) if step > 0 else (span > 0):
+        raise ValueError(f"arange from {start} to {end} never ends with step {step}")
+    length = span if step == 1 else (span + step - 1) // step if step > 0 else (span + step + 1) // step
+    return start, step, length
 
 
 def _arange_infer(types, *, start=0, end, step=1, dtype):
@@ -67,7 +86,7 @@ def _fill_value(value, dtype: DType):
 
 
 def _full_infer(types, *, shape, value, dtype):
-    if any(d < 0 for d in shape):
+    if any(isinstance(d, int) and d < 0 for d in shape):
         raise ValueError(f"shape {fmt_shape(shape)} has a negative size")
     _fill_value(value, dtype)
     return TensorType(tuple(shape), dtype)

@@ -20,6 +20,7 @@ from ..registry import Attr, defop
 from ..types import DType, TensorType, normalize_dim
 from ._infer import fmt_shape, reduction_axes, require_float, upcast_half
 from .compute import (
+    size_value,
     call,
     cmp,
     compute_dtype,
@@ -389,7 +390,7 @@ defcompute("prod")(_accumulate_compute("*"))
 
 def _mean_of(ctx, x, axes, keepdim, t, value, suffix):
     """``sum(value) / count`` over ``axes`` in dtype ``t`` (a lazy division of a stage)."""
-    count = const(math.prod(x.shape[a] for a in axes), t)
+    count = size_value(math.prod(x.shape[a] for a in axes), t)
     total = ctx.reduce_axes(x.shape, axes, keepdim, "+", t, value, suffix)
     return ctx.tensor(total.shape, t, lambda i: total[i] / count)
 

@@ -15,8 +15,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from ..registry import Attr, defop
-from ..types import Dim, normalize_dim
-from ._infer import fmt_shape, static_dims
+from ..types import Dim, SymDim, UndecidedSizeError, normalize_dim
+from ._infer import fmt_shape
 from .compute import as_expr, broadcast_index, defcompute, reshape_index, simplify_index
 from .vjp import GradBuilder, deflinear, defvjp, unbroadcast
 
@@ -124,18 +124,52 @@ def _expand_vjp(b, inputs, outputs, cotangents, attrs):
 _WHOLE = 2**62
 
 
-def _slice_range(size: Dim, start: int, end: int, step: int) -> tuple[int, int, Dim]:
-    """Clamped ``(start, end, length)`` of ``start:end:step`` on an axis of ``size``."""
+def _slice_range(size: Dim, start: Dim, end: Dim, step: int) -> tuple[Dim, Dim, Dim]:
+    """Clamped ``(start, end, length)`` of ``start:end:step`` on an axis of ``size``.
+
+    With symbolic sizes or bounds, each clamp is decided for every value of the sizes; a
+    bound whose clamp depends on the sizes' values (``end=seq`` on an axis of 320) is taken
+    as it is, in range: capture checks that against the length PyTorch computed under its
+    size ranges, and the compiled graph's range guard keeps the sizes there."""
+    if isinstance(step, SymDim):
+        raise ValueError(f"slice step must be a static integer, got the symbolic size {step}")
     if step <= 0:
         raise ValueError(f"slice step must be positive, got {step}")
-    if not isinstance(size, int):
-        if start == 0 and end >= _WHOLE and step == 1:
-            return 0, end, size
-        raise ValueError(f"slice {start}:{end}:{step} of symbolic axis size {size} needs a static size")
-    start, end = (v + size if v < 0 else v for v in (start, end))
-    start = min(max(start, 0), size)
-    end = min(max(end, start), size)
-    return start, end, -(-(end - start) // step)
+    if isinstance(size, int) and isinstance(start, int) and isinstance(end, int):
+        start, end = (v + size if v < 0 else v for v in (start, end))
+        start = min(max(start, 0), size)
+        end = min(max(end, start), size)
+        return start, end, -(-(end - start) // step)
+    if isinstance(end, int) and end >= _WHOLE:
+        end = size
+    start, end = (_from_end(v, size) for v in (start, end))
+    start = _clamped(start, 0, size)
+    end = _clamped(end, start, size)
+    return start, end, end - start if step == 1 else (end - start + step - 1) // step
+
+
+def _from_end(v: Dim, size: Dim) -> Dim:
+    """A negative bound counts from the end; a symbolic bound must have a decided sign."""
+    try:
+        return v + size if v < 0 else v
+    except UndecidedSizeError:
+        raise ValueError(f"slice bound {v} may be negative or not depending on the sizes' values; "
+                         "kiln needs its sign decided") from None
+
+
+def _clamped(v: Dim, lo: Dim, hi: Dim) -> Dim:
+    """``min(max(v, lo), hi)`` where decided for all sizes; ``v`` where it depends on them."""
+    try:
+        if v < lo:
+            return lo
+    except UndecidedSizeError:
+        pass
+    try:
+        if v > hi:
+            return hi
+    except UndecidedSizeError:
+        pass
+    return v
 
 
 def _slice_infer(types, *, dim, start, end, step=1):
