@@ -27,6 +27,7 @@ import torch
 from kiln.backends.reference import run_graph
 from kiln.frontends.torch.capture import capture
 from kiln.ir import DType, Graph, KilnError, TensorType, verify
+from kiln.ir.types import SizeRange
 from kiln.passes.autodiff import JointGraph, grad_graph, split_joint
 
 
@@ -301,8 +302,29 @@ def test_symbolic_shapes_on_the_path_are_rejected():
     m = g.add_input("m", TensorType((3,), DType.bool))
     picked = g.op("index", x, m, dims=(0,), loc="model.py:3 in forward: x[m]")
     g.set_outputs([g.op("sum", picked)])
-    with pytest.raises(KilnError, match=r"f32\[nnz, 4\] = index.*symbolic.*model.py:3"):
+    with pytest.raises(KilnError, match=r"f32\[nnz, 4\] = index.*data-dependent shape.*model.py:3"):
         grad_graph(g, wrt=["x"])
+
+
+def test_sizes_bound_by_the_inputs_are_differentiated_symbolically():
+    from kiln.ir import SymDim
+    from kiln.ir.sizes import specialize
+
+    n = SymDim("n")
+    g = Graph("rows")
+    x = g.add_input("x", TensorType((n, 4), DType.float32))
+    w = g.add_param("w", TensorType((4,), DType.float32))
+    g.sizes = {"n": SizeRange(2, 16)}
+    scaled = g.op("mul", g.op("tanh", x), w)
+    g.set_outputs([g.op("sum", g.op("reshape", scaled, shape=(4 * n,)))])
+    joint = grad_graph(g, wrt=["x", "w"])
+    assert str(joint.graph.outputs[1].type) == "f32[n, 4]"
+    for rows in (2, 7):
+        xv = np.random.default_rng(rows).standard_normal((rows, 4)).astype(np.float32)
+        wv = np.arange(1, 5, dtype=np.float32)
+        _, gx, gw = run_graph(specialize(joint.graph, {"n": rows}), [xv], [wv])
+        np.testing.assert_allclose(gx, (1 - np.tanh(xv) ** 2) * wv, rtol=1e-5)
+        np.testing.assert_allclose(gw, np.tanh(xv).sum(0), rtol=1e-5)
 
 
 def test_fused_nodes_are_differentiated_through_their_bodies():

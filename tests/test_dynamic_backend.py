@@ -276,3 +276,20 @@ def test_gemm_buckets_compile_a_variant_only_where_the_tuner_chose_differently(o
     # the kiln variant's weight panels are made once for its two sizes (2, 17), not per size
     groups = exe.plan._local.ws.persistent
     assert sorted(len(g) for g in groups.values()) == [0, 2]
+
+
+def test_symbolic_kernels_are_scheduled_under_the_recorded_ranges(monkeypatch):
+    """The isl checks of a symbolic kernel assume the graph's ranges for its size parameters."""
+    from kiln.backends.cpu import schedules
+
+    seen = []
+    original = schedules.strategy_schedule
+
+    def spy(program, kind, **kwargs):
+        seen.append(kwargs.get("ranges"))
+        return original(program, kind, **kwargs)
+
+    monkeypatch.setattr(schedules, "strategy_schedule", spy)
+    get_backend("cpu").build(parse(ELEMENTWISE), {"cache": False})
+    ranges = [r for r in seen if r]
+    assert ranges and all(set(r.values()) == {(2, 128)} for r in ranges), seen

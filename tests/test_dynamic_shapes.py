@@ -90,12 +90,7 @@ class _Hidden(nn.Module):
         return self.model(ids).last_hidden_state
 
 
-_DYNAMIC_TRUE_GAP = ("dynamic=True lifts the models' float attributes (eps, norm_type) to 0-d tensor inputs read "
-                     "with .item(), which kiln's symbolic tracing cannot follow yet: Dynamo splits the graph")
-
-
-@pytest.mark.parametrize("dynamic", [None, pytest.param(True, marks=[pytest.mark.slow, pytest.mark.xfail(
-    strict=True, reason=_DYNAMIC_TRUE_GAP)])], ids=["dynamic-none", "dynamic-true"])
+@pytest.mark.parametrize("dynamic", [None, True], ids=["dynamic-none", "dynamic-true"])
 @pytest.mark.parametrize("build", [_gpt2, _bert], ids=["gpt2", "bert"])
 def test_torch_compile_over_eight_lengths_invokes_kiln_at_most_twice(build, dynamic):
     import torch._dynamo
@@ -116,4 +111,46 @@ def test_torch_compile_over_eight_lengths_invokes_kiln_at_most_twice(build, dyna
             ids = torch.randint(0, 128, (1, n), generator=torch.Generator().manual_seed(n))
             _close(compiled(ids), model(ids))
     assert 1 <= len(calls) <= 2, f"kiln's backend was invoked {len(calls)} times for {len(LENGTHS)} lengths"
+    torch._dynamo.reset()
+
+
+class _Scaled(nn.Module):
+    """A float attribute read in Python: ``dynamic=True`` lifts it to a 0-d tensor input."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(16)
+        self.scale = 0.5
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.layer_norm(x, (16,), self.norm.weight, self.norm.bias, eps=1e-5) * self.scale
+
+
+def test_lifted_python_scalars_are_specialized_and_guarded_by_value():
+    import torch._dynamo
+
+    from kiln.frontends.torch.dynamo import ScalarSpecialized, kiln_backend
+
+    torch._dynamo.reset()
+    compiled_graphs = []
+
+    def backend(gm, example_inputs):
+        compiled = kiln_backend(gm, example_inputs, options={"strict": True, "cache": False})
+        compiled_graphs.append(compiled)
+        return compiled
+
+    torch.manual_seed(0)
+    model = _Scaled().eval()
+    fast = torch.compile(model, backend=backend, dynamic=True)
+    with torch.no_grad():
+        for n in (3, 9):
+            x = torch.randn(n, 16)
+            _close(fast(x), model(x))
+        model.scale = 2.0  # a new value of the lifted input: kiln's guard builds for it
+        x = torch.randn(5, 16)
+        _close(fast(x), model(x))
+    assert len(compiled_graphs) == 1
+    guard = compiled_graphs[0]
+    assert isinstance(guard, ScalarSpecialized), "the float attribute was not lifted; the test checks nothing"
+    assert len(guard.builds) == 2
     torch._dynamo.reset()

@@ -72,6 +72,7 @@ from kiln.passes.amp import (
 from kiln.passes.autodiff import grad_graph
 from kiln.passes.optim import GroupSpec, UpdateLayout, append_optimizer
 from kiln.passes.remat import rematerialize
+from kiln.ir.sizes import SizeError, bind_sizes, is_dynamic
 from kiln.runtime import InputMismatchError, tensor_type
 from kiln.runtime.module import BUFFER_UPDATE_PREFIX, StateBinding, buffer_updates
 
@@ -101,7 +102,7 @@ def compile_train(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor],
                   num_targets: int | None = None, amp: str | None = None,
                   scaler: LossScaler | None = None, backend: str | Backend = DEFAULT_BACKEND,
                   passes: Any = "default", remat: bool = False, cache: bool = True,
-                  cache_dir: str | None = None, **options: Any) -> TrainStep:
+                  cache_dir: str | None = None, dynamic_shapes: Any = None, **options: Any) -> TrainStep:
     """Compile one training step of ``model`` (see the module docstring).
 
     Args:
@@ -119,6 +120,10 @@ def compile_train(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor],
             (``"default"``: the default pipeline, fusion included, over the whole step;
             a training step has no capture cache, so ``cache`` and ``cache_dir`` reach the
             backend's compile cache only, where the backend has one).
+        dynamic_shapes: torch.export's argument for the step's positional arguments (model
+            inputs then targets), e.g. ``({1: Dim("seq", max=512)}, {1: Dim("seq", max=512)})``:
+            the step is built once, symbolic in those sizes, and runs at any size in range
+            (see ``docs/dynamic.md``).
         remat: recompute cheap forward values in the backward so the memory plan can reuse
             their buffers; same results, lower planned peak.  It runs after ``passes``; with
             the default pipeline, between its clean-ups and its fusion, so the recomputations
@@ -135,7 +140,13 @@ def compile_train(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor],
     options = CacheSwitch(bool(cache), cache_dir).for_backend(backend_impl, options)
     backend_impl.resolve_options(options)  # unknown options fail before the slow export
     wrapper = _LossModule(model, loss_fn, len(args) - targets)
-    captured = capture_mod.capture_program(capture_mod.export_program(wrapper, args),
+    if dynamic_shapes is not None:
+        if not isinstance(dynamic_shapes, (tuple, list)) or len(dynamic_shapes) != len(args):
+            raise KilnError(f"kiln.compile_train: dynamic_shapes must be a tuple with one entry per positional "
+                            f"argument (model inputs then targets; {len(args)} here), each None or "
+                            "torch.export's per-tensor spec such as {1: Dim('seq')}")
+        dynamic_shapes = (tuple(dynamic_shapes),)  # the wrapper takes them as one *args
+    captured = capture_mod.capture_program(capture_mod.export_program(wrapper, args, dynamic_shapes=dynamic_shapes),
                                            name=type(model).__name__ + "_train")
     graph, live = _readable_names(captured.graph, captured.params, captured.input_positions,
                                   len(args) - targets)
@@ -247,7 +258,8 @@ class TrainStep:
         for position, input_value in zip(self._positions, self.forward_graph.inputs):
             value = args[position]
             want = input_value.type
-            if not isinstance(value, torch.Tensor) or _type_of(value) != want:
+            got_type = _type_of(value) if isinstance(value, torch.Tensor) else None
+            if got_type is None or not _fits(got_type, want):
                 got = f"{value.dtype} tensor of shape {tuple(value.shape)}" \
                     if isinstance(value, torch.Tensor) else type(value).__name__
                 raise InputMismatchError(
@@ -259,6 +271,14 @@ class TrainStep:
                 raise InputMismatchError(
                     f"kiln: training step argument {position} was {example!r} at compile time and "
                     f"kiln specializes non-tensor arguments, but got {args[position]!r}")
+        if is_dynamic(self.forward_graph):
+            inputs = self.forward_graph.inputs
+            try:
+                bind_sizes([v.type for v in inputs], [tuple(t.shape) for t in tensors],
+                           [f"training step argument {p} ('{v.name}')" for p, v in zip(self._positions, inputs)],
+                           self.forward_graph.sizes)
+            except SizeError as e:
+                raise InputMismatchError(f"kiln: {e}") from e
         return tensors
 
     # ------------------------------------------------------------- building
@@ -443,6 +463,14 @@ def _same_constant(expected: Any, got: Any) -> bool:
         return expected is got
 
 
+def _fits(got: TensorType, want: TensorType) -> bool:
+    """Whether an argument of type ``got`` may feed an input of type ``want``: equal types, or
+    the same dtype and rank where ``want`` is symbolic (its sizes are bound and checked after)."""
+    if want.is_static:
+        return got == want
+    return got.dtype == want.dtype and got.rank == want.rank
+
+
 def _type_of(value: torch.Tensor) -> TensorType | None:
     try:
         return tensor_type(value)
@@ -492,6 +520,7 @@ def _readable_names(graph: Graph, params: dict[str, torch.Tensor], positions: Se
     if set(renames.values()) & (taken - set(renames)):
         return graph, dict(params)  # a clash: keep the captured names
     out = Graph(graph.name)
+    out.sizes = dict(graph.sizes)
     env: dict[Value, Value] = {}
     for v in graph.inputs:
         env[v] = out.add_input(renames.get(v.name, v.name), v.type)

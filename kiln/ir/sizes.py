@@ -154,10 +154,28 @@ def specialize(graph, sizes: Mapping[str, int]):
     return g
 
 
+TYPICAL_SIZE = 64
+"""The value an unbounded named size takes in cost estimates (:func:`estimated_nbytes`)."""
+
+
+def estimated_nbytes(t: TensorType, ranges: Mapping[str, SizeRange] | None = None) -> int:
+    """Bytes of ``t``.  A symbolic shape is evaluated with each named size at the top of its
+    range in ``ranges`` (or at :data:`TYPICAL_SIZE` when it is unbounded or not given): an
+    estimate for cost decisions and reports, exact for a static shape."""
+    if t.is_static:
+        return t.nbytes
+    ranges = ranges or {}
+    sizes = {}
+    for name in sizes_of(t.shape):
+        r = ranges.get(name)
+        sizes[name] = r.hi if r is not None and r.hi is not None else max(TYPICAL_SIZE, r.lo if r else 0)
+    return concrete_type(t, sizes).nbytes
+
+
 def dim_of(value: Any):
     """A ``Dim`` from an int, a SymDim or a sympy expression of named sizes."""
     return as_dim(value)
 
 
 __all__ = ["SizeError", "Sizes", "bind_sizes", "concrete", "concrete_attrs", "concrete_type", "dim_of",
-           "format_sizes", "graph_sizes", "has_sizes", "is_dynamic", "specialize"]
+           "estimated_nbytes", "format_sizes", "graph_sizes", "has_sizes", "is_dynamic", "specialize"]

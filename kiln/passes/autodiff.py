@@ -43,7 +43,8 @@ outputs need; everything else is backward.
   backward when that lowers the bytes saved: a minimum cut over the forward graph, saving
   bytes first and recomputing as few nodes as possible second.
 * ``SavedInfo.saved_bytes`` counts the saved intermediate results (graph inputs and params are
-  alive anyway and cost nothing); ``saved_total_bytes`` counts them too.
+  alive anyway and cost nothing); ``saved_total_bytes`` counts them too.  With symbolic
+  shapes both are estimates at the top of each size's range (``kiln.ir.sizes.estimated_nbytes``).
 
 Autodiff is not a registered :class:`~kiln.passes.base.Pass`: it changes the graph's
 signature (new outputs, possibly new inputs) and its result is more than a graph, so it is
@@ -60,6 +61,8 @@ import numpy as np
 
 from kiln.ir import Graph, KilnError, Node, OpTypeError, Value
 from kiln.ir.ops.vjp import GradBuilder
+from kiln.ir.sizes import estimated_nbytes, graph_sizes
+from kiln.ir.types import sizes_of
 
 POLICIES = ("save-all", "remat")
 
@@ -153,7 +156,7 @@ def backprop(graph: Graph, nodes: Sequence[Node], seeds: Iterable[tuple[Value, V
     """
     seeds = list(seeds)
     needed = _needed_values(nodes, set(wrt), {v for v, _ in seeds})
-    _require_static(nodes, needed)
+    _require_static(graph, nodes, needed)
     cotangent: dict[Value, Value] = {}
 
     def accumulate(value: Value, ct: Value, builder: GradBuilder) -> None:
@@ -213,13 +216,18 @@ def _needed_values(nodes: Sequence[Node], wrt: set[Value], seeded: set[Value]) -
     return forward & backward
 
 
-def _require_static(nodes: Sequence[Node], needed: set[Value]) -> None:
+def _require_static(graph: Graph, nodes: Sequence[Node], needed: set[Value]) -> None:
+    """Refuse data-dependent sizes on the differentiated path.  Sizes named by the graph's
+    inputs (dynamic shapes) are fine: every gradient rule builds shapes from its operands,
+    and they are bound again at each call."""
+    bound = graph_sizes(graph)
     for node in nodes:
-        if any(v in needed and not v.type.is_static for v in node.outputs):
-            raise KilnError(
-                f"autodiff: {_describe(node)} has a symbolic (data-dependent) shape on the path "
-                f"to the loss{_at(node)}; only static shapes are differentiated today (a bool "
-                "mask index can often be replaced by where())")
+        for v in node.outputs:
+            if v in needed and not sizes_of(v.type.shape) <= bound:
+                raise KilnError(
+                    f"autodiff: {_describe(node)} has a data-dependent shape on the path to the "
+                    f"loss{_at(node)}; only sizes fixed by the inputs' shapes are differentiated "
+                    "(a bool mask index can often be replaced by where())")
 
 
 def _resolve_wrt(graph: Graph, wrt: Sequence[str] | None) -> list[Value]:
@@ -354,8 +362,8 @@ def split_joint(joint: JointGraph, policy: str = "save-all") -> tuple[Graph, Gra
         policy=policy,
         saved=tuple(v.name for v in saved),
         saved_origins=tuple(v.origin for v in saved),
-        saved_bytes=sum(v.type.nbytes for v in saved if v.origin == "result"),
-        saved_total_bytes=sum(v.type.nbytes for v in saved),
+        saved_bytes=sum(estimated_nbytes(v.type, g.sizes) for v in saved if v.origin == "result"),
+        saved_total_bytes=sum(estimated_nbytes(v.type, g.sizes) for v in saved),
         forward_outputs=joint.forward_outputs,
         cotangent_inputs=tuple(v.name for v in cotangent_inputs),
         grad_outputs={name: i - joint.forward_outputs for name, i in joint.grad_outputs.items()},
@@ -398,6 +406,8 @@ def _extract(graph: Graph, name: str, inputs: Sequence[Value], params: Sequence[
         env[v] = out.add_input(v.name, v.type)
     for v in params:
         env[v] = out.add_param(v.name, v.type)
+    named = graph_sizes(out)
+    out.sizes = {k: r for k, r in graph.sizes.items() if k in named}
     used = {v for n in nodes for v in n.inputs} | set(outputs)
     for c in graph.constants:
         if c in used:

@@ -40,6 +40,7 @@ from typing import ClassVar
 
 from kiln.ir import Graph, KilnError, Node, Value
 from kiln.passes.base import Pass, PassResult, register_pass
+from kiln.ir.sizes import estimated_nbytes
 
 RECOMPUTABLE_TRAITS = frozenset({"elementwise", "view", "pointwise", "creation", "copy"})
 """Traits of ops cheap and pure enough to recompute (see :attr:`kiln.ir.OpDef.traits`)."""
@@ -75,7 +76,7 @@ def choose_recomputation(forward: Sequence[Node], backward: Sequence[Node],
     flow = nx.DiGraph()
     for node in relevant:
         node_in, node_out = ("in", node), ("out", node)
-        nbytes = sum(v.type.nbytes for v in node.outputs)
+        nbytes = sum(estimated_nbytes(v.type) for v in node.outputs)
         flow.add_edge(node_in, node_out, capacity=big * nbytes)
         if is_recomputable(node, random=random):
             flow.add_edge("source", node_in, capacity=1)

@@ -65,7 +65,7 @@ from kiln.runtime.call_plan import (
 from kiln.runtime.tensors import torch_dtype
 from kiln.runtime.timing import best_time
 
-from .dynamic import DynamicPlanner, sample_sizes, size_binder, size_function, typical_sizes
+from .dynamic import DynamicPlanner, legality_ranges, sample_sizes, size_binder, size_function, typical_sizes
 from .memory_plan import MemoryPlan, plan_memory, plan_symbolic
 from .partition import GraphPlan, Partitioner, PlanOp, lifetimes
 from .select import SELECT_MODES, Choice, Selection, TimedSelector
@@ -232,6 +232,7 @@ class BuildPipeline:
         plan = plan if plan is not None else self.partition(graph, choose)
         self.size_order = {name: i for i, name in enumerate(plan.sizes)}
         self.size_hint = typical_sizes(graph, plan.sizes)
+        self.size_ranges = legality_ranges(graph, plan.sizes)
         symbolic = None
         if plan.sizes:  # symbolic shapes: the memory plan's order at the sample sizes
             requests = lifetimes(plan, plan.sample)

@@ -74,6 +74,21 @@ def typical_sizes(graph: Graph, names: Sequence[str]) -> list[int]:
     return out
 
 
+UNBOUNDED = 2**62
+"""The top a size without a finite range maximum is given in the legality checks."""
+
+
+def legality_ranges(graph: Graph, names: Sequence[str]) -> list[tuple[int, int]]:
+    """Per size (in ``names`` order), the ``(low, high)`` range the isl checks of the graph's
+    kernels assume: the recorded range (a step legal only for sizes outside it is accepted,
+    one illegal inside it refused)."""
+    out = []
+    for name in names:
+        r = graph.sizes.get(name, SizeRange())
+        out.append((r.lo, r.hi if r.hi is not None else UNBOUNDED))
+    return out
+
+
 def size_function(names: Sequence[str], dims: Sequence[Any]) -> Callable[[Sequence[int]], list[int]]:
     """A fast function of the size values (in ``names`` order) giving each of ``dims`` (ints
     or symbolic sizes) as an int."""
@@ -217,10 +232,13 @@ class DynamicPlanner:
                 if sym.meta.is_contiguous() and not pv.meta.is_contiguous():
                     raise KilnError(f"kernel {op.label} reads %{pv.name}, contiguous at the build's sample "
                                     f"sizes but not at these")
+                if op.gemm is not None and sym.type.is_static and sym.meta.stride() != pv.meta.stride():
+                    raise KilnError(f"GEMM kernel {op.label} has the leading dimensions of %{pv.name} at the "
+                                    f"build's sample sizes ({sym.meta.stride()}), not at these ({pv.meta.stride()})")
             if id(op) in self.fallback_kernels and op.node is not None:
                 changes["node"] = concrete_node(op.node, sizes)
         return replace(op, **changes)
 
 
-__all__ = ["SAMPLES", "TYPICAL_CAP", "DynamicPlanner", "concrete_node", "sample_sizes", "size_binder", "size_function",
-           "size_names", "typical_sizes"]
+__all__ = ["SAMPLES", "TYPICAL_CAP", "UNBOUNDED", "DynamicPlanner", "concrete_node", "legality_ranges", "sample_sizes",
+           "size_binder", "size_function", "size_names", "typical_sizes"]

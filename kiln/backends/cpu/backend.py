@@ -151,8 +151,10 @@ class CpuBuild(BuildPipeline):
         if self.schedule:
             hints = getattr(self, "size_hint", {})
             hint = {name: hints[index] for name, index in size_table.items()} if size_table else None
+            ranges = getattr(self, "size_ranges", [])
+            in_range = {name: ranges[index] for name, index in size_table.items()} if size_table else None
             scheduled = default_schedule(program, op.template, threads=self.threads, records=self.cache.directory,
-                                         size_hint=hint)
+                                         size_hint=hint, ranges=in_range)
             program, trace = scheduled.program, scheduled.trace
         names = (*head, *dict.fromkeys(renamed[n] for n in lowered.inputs), *(renamed[n] for n in lowered.outputs))
         if len(names) != len(op.args):

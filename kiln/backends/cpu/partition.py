@@ -61,7 +61,10 @@ class CpuPartitioner(Partitioner):
         transposed weight when the tuner chose one), or ``None``."""
         if self.gemm_provider is None or anchor.op_name != "matmul":
             return None
-        symbolic = not (a.type.is_static and b.type.is_static and anchor.outputs[0].type.is_static)
+        # a static view of a symbolic tensor (``x[:, 0]`` of ``[b, seq, d]``) has strides that
+        # depend on the sizes: its GEMM is symbolic too
+        symbolic = not all(t.is_static for t in (a.type, b.type, a.root().type, b.root().type,
+                                                  anchor.outputs[0].type))
         if symbolic and not self._symbolic_m(a, b):
             return None  # other symbolic GEMMs: a library GEMM (torch.matmul) at each call's sizes
         spec = gemm_spec(a.meta, b.meta, anchor.outputs[0].dtype)

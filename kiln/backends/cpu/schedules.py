@@ -86,9 +86,12 @@ def records_store(records: str | Path | RecordStore | None) -> RecordStore | Non
 
 def default_schedule(program: Program, kind: str, *, threads: int = 2,
                      records: str | Path | RecordStore | None = None,
-                     size_hint: dict[str, int] | None = None) -> ScheduledKernel:
+                     size_hint: dict[str, int] | None = None,
+                     ranges: dict[str, tuple[int, int]] | None = None) -> ScheduledKernel:
     """The default schedule of ``program`` for a kernel of template ``kind`` (module docstring),
-    or its tuned one when ``records`` holds a record for it.
+    or its tuned one when ``records`` holds a record for it.  ``ranges`` bounds the size
+    parameters (a symbolic graph's recorded ranges): every step is checked for all sizes in
+    them.
 
     ``program`` must use identifier names only (see
     :func:`kiln.backends.cpu.codegen.sanitize_program`).  With ``threads <= 1`` nothing is
@@ -98,13 +101,14 @@ def default_schedule(program: Program, kind: str, *, threads: int = 2,
         seen.append((program, kind, threads))
     store = records_store(records)
     if store is not None:
-        tuned = tuned_schedule(program, store, threads)
+        tuned = tuned_schedule(program, store, threads, ranges)
         if tuned is not None:
             return tuned
-    return strategy_schedule(program, kind, threads=threads, size_hint=size_hint)
+    return strategy_schedule(program, kind, threads=threads, size_hint=size_hint, ranges=ranges)
 
 
-def tuned_schedule(program: Program, store: RecordStore, threads: int) -> ScheduledKernel | None:
+def tuned_schedule(program: Program, store: RecordStore, threads: int,
+                   ranges: dict[str, tuple[int, int]] | None = None) -> ScheduledKernel | None:
     """The schedule of ``program``'s record in ``store`` replayed (every step checked), or
     ``None`` when it has none or its trace no longer replays legally (the caller then runs
     the default strategy)."""
@@ -113,7 +117,7 @@ def tuned_schedule(program: Program, store: RecordStore, threads: int) -> Schedu
         return None
     try:
         from kiln.passes.schedule import Schedule  # noqa: PLC0415
-        schedule = Schedule.replay(program, record.trace)
+        schedule = Schedule.replay(program, record.trace, ranges=ranges)
         if not schedule.verify():
             return None
         scheduled = schedule.program(name=program.name) if schedule.trace else program
@@ -124,7 +128,8 @@ def tuned_schedule(program: Program, store: RecordStore, threads: int) -> Schedu
 
 
 def strategy_schedule(program: Program, kind: str, *, threads: int = 2,
-                      size_hint: dict[str, int] | None = None) -> ScheduledKernel:
+                      size_hint: dict[str, int] | None = None,
+                      ranges: dict[str, tuple[int, int]] | None = None) -> ScheduledKernel:
     """The default strategy of the module docstring (no records).  ``size_hint`` gives size
     parameters a typical value (a symbolic graph's kernels): nests are then marked parallel
     by their work at those values; without it a nest of symbolic extent stays serial."""
@@ -133,7 +138,7 @@ def strategy_schedule(program: Program, kind: str, *, threads: int = 2,
     except ImportError as e:
         return ScheduledKernel(program, notes=[f"unscheduled: the loop scheduler needs islpy ({e})"])
     try:
-        schedule = Schedule(program)
+        schedule = Schedule(program, ranges=ranges)
     except (ScheduleError, KilnError, ValueError) as e:
         return ScheduledKernel(program, notes=[f"unscheduled: {e}"])
     notes: list[str] = []

@@ -270,13 +270,16 @@ def rng_seed(ctx: LoweringContext) -> Value:
 
 def _next_offset(ctx: LoweringContext) -> int:
     """The first counter no earlier ``dropout_mask`` of the graph uses."""
-    return sum(int(torch.Size(n.outputs[0].shape).numel()) for n in ctx.graph.nodes
-               if n.op.name == "dropout_mask")
+    offset = 0  # symbolic when an earlier mask has a symbolic shape
+    for n in ctx.graph.nodes:
+        if n.op.name == "dropout_mask":
+            offset = offset + n.outputs[0].type.size
+    return offset
 
 
 def dropout_parts(ctx: LoweringContext, x: Value, p: float) -> tuple[Value, Value]:
     """``(x * mask / (1 - p), mask)`` with a fresh mask of ``x``'s shape."""
-    mask = ctx.op("dropout_mask", rng_seed(ctx), shape=tuple(int(d) for d in x.shape),
+    mask = ctx.op("dropout_mask", rng_seed(ctx), shape=tuple(x.shape),
                   p=float(p), offset=_next_offset(ctx))
     scale = 0.0 if p >= 1.0 else 1.0 / (1.0 - float(p))
     kept = ctx.op("mul", x, ctx.cast(mask, x.dtype))

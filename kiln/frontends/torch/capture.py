@@ -113,6 +113,7 @@ def export_program(model: torch.nn.Module, args: tuple, kwargs: dict | None = No
     :func:`decomposition_table`.  ``decompose=False`` never decomposes.
     """
     _refuse_cumulative_batch_norm(model)
+    args, kwargs = _unaliased(tuple(args), dict(kwargs or {}))
     with marked_function_outputs():
         ep = torch.export.export(model, tuple(args), dict(kwargs or {}), strict=False,
                                  dynamic_shapes=dynamic_shapes)
@@ -128,6 +129,21 @@ def export_program(model: torch.nn.Module, args: tuple, kwargs: dict | None = No
 
 DIM_NAMES = "kiln_dim_names"
 """``graph_module.meta`` key of an exported program's torch symbol -> ``Dim`` name map."""
+
+
+def _unaliased(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The example inputs with every repeated tensor object replaced by a copy: torch.export
+    traces one tensor passed twice (``(ids, ids)`` as input and target) as one input, so the
+    program would read the second argument where the model reads the first."""
+    seen: set[int] = set()
+
+    def copy_repeat(t: torch.Tensor) -> torch.Tensor:
+        if id(t) in seen:
+            return t.detach().clone().requires_grad_(t.requires_grad)
+        seen.add(id(t))
+        return t
+
+    return pytree.tree_map_only(torch.Tensor, copy_repeat, (args, kwargs))
 
 
 def _ordered_shapes(model: torch.nn.Module, args: tuple, kwargs: dict | None, dynamic_shapes: Any) -> Any:

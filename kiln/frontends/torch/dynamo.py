@@ -94,9 +94,97 @@ def kiln_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: An
         warnings.warn(f"kiln: graph '{name}' runs eagerly in PyTorch: {reason}", KilnFallbackWarning,
                       stacklevel=2)
         return gm.forward
-    aten_gm = lower_to_aten(gm, example_inputs)
-    return compile_fx(aten_gm, list(example_inputs), param_indices=param_indices(gm, example_inputs),
-                      backend=backend, options=options, strict=strict, transform=transform, name=name)
+    params = param_indices(gm, example_inputs)
+
+    def build(graph: fx.GraphModule) -> Callable[..., Any]:
+        return compile_fx(lower_to_aten(graph, example_inputs), list(example_inputs), param_indices=params,
+                          backend=backend, options=options, strict=strict, transform=transform, name=name)
+
+    scalars = read_scalars(gm, example_inputs, params)
+    if scalars:
+        return ScalarSpecialized(gm, scalars, example_inputs, build)
+    return build(gm)
+
+
+# ------------------------------------------------------------------ lifted Python scalars
+def read_scalars(gm: fx.GraphModule, example_inputs: Sequence[Any], params: frozenset[int]) -> list[int]:
+    """Positions of the 0-d tensor inputs the graph reads with ``.item()``.
+
+    With ``dynamic=True`` Dynamo lifts a module's Python float attributes (a norm's ``eps``,
+    an embedding's ``norm_type``, a dropout's ``p``) to 0-d tensor inputs, and the graph
+    reads them back with ``.item()``: a value the trace cannot know.  kiln specializes such
+    a graph on the values (:class:`ScalarSpecialized`)."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    found = []
+    for i, (node, value) in enumerate(zip(placeholders, example_inputs)):
+        if i in params or not isinstance(value, torch.Tensor) or value.dim() != 0:
+            continue
+        if any(_is_item(user) for user in node.users):
+            found.append(i)
+    return found
+
+
+def _is_item(node: fx.Node) -> bool:
+    return (node.op == "call_method" and node.target == "item") or \
+        (node.op == "call_function" and node.target in (torch.Tensor.item, torch.ops.aten._local_scalar_dense.default))
+
+
+def _with_values(gm: fx.GraphModule, positions: Sequence[int], values: Sequence[Any]) -> fx.GraphModule:
+    """A copy of ``gm`` whose ``.item()`` reads of the inputs at ``positions`` are the constants
+    ``values`` (the inputs stay: other uses still read them as tensors)."""
+    copy = fx.GraphModule(gm, copy_graph(gm.graph))
+    placeholders = [n for n in copy.graph.nodes if n.op == "placeholder"]
+    for position, value in zip(positions, values):
+        for item in [u for u in placeholders[position].users if _is_item(u)]:
+            for user in list(item.users):
+                user.args = fx.node.map_arg(user.args, lambda a, item=item, value=value: value if a is item else a)
+                user.kwargs = fx.node.map_arg(user.kwargs, lambda a, item=item, value=value: value if a is item else a)
+            copy.graph.erase_node(item)
+    copy.recompile()
+    return copy
+
+
+def copy_graph(graph: fx.Graph) -> fx.Graph:
+    new = fx.Graph()
+    out = new.graph_copy(graph, {})
+    new.output(out)
+    return new
+
+
+class ScalarSpecialized:
+    """A Dynamo graph compiled for the values of its lifted scalars (:func:`read_scalars`),
+    with kiln's own guard: each call reads those inputs, and a call with other values builds
+    (once) the graph for them.  A norm's ``eps`` never changes, so one build serves every
+    size; a scalar that does change (a decaying dropout rate) costs one build per value."""
+
+    def __init__(self, gm: fx.GraphModule, positions: Sequence[int], example_inputs: Sequence[Any],
+                 build: Callable[[fx.GraphModule], Callable[..., Any]]):
+        self.gm = gm
+        self.positions = tuple(positions)
+        self.build = build
+        self.builds: dict[tuple, Callable[..., Any]] = {}
+        key = self._key(example_inputs)
+        self.key, self.compiled = key, self._compile(key)
+
+    def _key(self, args: Sequence[Any]) -> tuple:
+        return tuple(args[i].item() for i in self.positions)
+
+    def _compile(self, key: tuple) -> Callable[..., Any]:
+        compiled = self.builds.get(key)
+        if compiled is None:
+            compiled = self.builds[key] = self.build(_with_values(self.gm, self.positions, key))
+        return compiled
+
+    def __call__(self, *args: Any) -> Any:
+        key = self._key(args)
+        if key != self.key:
+            self.key, self.compiled = key, self._compile(key)
+        return self.compiled(*args)
+
+    def __getattr__(self, name: str) -> Any:  # graphs, report, module: those of the current build
+        if name in ("compiled", "gm", "positions", "build", "builds", "key"):
+            raise AttributeError(name)
+        return getattr(self.compiled, name)
 
 
 def _graph_name(gm: fx.GraphModule) -> str:

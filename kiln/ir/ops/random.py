@@ -26,7 +26,7 @@ import numpy as np
 from ..registry import Attr, defop
 from ..types import DType, TensorType
 from ._infer import fmt_shape
-from .compute import cmp, const, convert, defcompute, linear_index
+from .compute import cmp, const, convert, defcompute, linear_index, size_value
 from .vjp import defvjp, nondifferentiable
 
 PRIME = 2**31 - 1
@@ -94,11 +94,11 @@ def int64_const(v) -> object:
     return const(int(v), DType.int64)
 
 
-def mix_at(seed, i, shape, offset: int):
+def mix_at(seed, i, shape, offset):
     """The loop-IR expression of :func:`mix` for element ``i`` (row-major in ``shape``) of a
     draw at counter ``offset``: what generated code computes, bit for bit the reference's."""
     i64 = DType.int64
-    counter = convert(linear_index(i, shape), i64, i64) + int64_const(offset)
+    counter = convert(linear_index(i, shape), i64, i64) + size_value(offset, i64)
     return mix(seed.at((), i64), counter, (int64_const, lambda v: v % int64_const(PRIME)))
 
 

@@ -361,10 +361,12 @@ class Schedule:
         return json.dumps(self.trace)
 
     @classmethod
-    def replay(cls, program: Program, trace: list[dict[str, Any]] | str, check: bool = True) -> Schedule:
-        """A new schedule of ``program`` with the steps of ``trace`` (a list or its JSON) applied."""
+    def replay(cls, program: Program, trace: list[dict[str, Any]] | str, check: bool = True,
+               ranges: dict[str, tuple[int, int]] | None = None) -> Schedule:
+        """A new schedule of ``program`` with the steps of ``trace`` (a list or its JSON) applied
+        (each checked over ``ranges``, as in the constructor)."""
         steps = json.loads(trace) if isinstance(trace, str) else trace
-        s = cls(program, check=check)
+        s = cls(program, check=check, ranges=ranges)
         for step in steps:
             s.apply(step["primitive"], **step["args"])
         return s
