@@ -18,6 +18,8 @@ setup(
     extras_require={
         "loops": ["islpy>=2023.1"],
         "test": ["pytest>=7", "hypothesis>=6", "transformers>=4.40", "islpy>=2023.1",
+                 # pytest.ini runs the suite on two worker processes
+                 "pytest-xdist>=3.5",
                  # PyTorch's op database (torch.testing._internal) imports it
                  "expecttest",
                  # pass-ordering tests; small pure-Python packages (torch is already required)

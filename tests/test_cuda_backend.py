@@ -133,7 +133,13 @@ class _Recording(CudaBackend):
         return exe
 
 
-@pytest.mark.parametrize("name", FAST)
+CUDA_CI_ZOO = ("llama", "convnext", "pointnet_knn")
+"""The zoo models of the CI run of the cuda test (a GQA decoder, depthwise convolutions, a
+gather-heavy point net); ``-m slow`` runs the rest of the fast zoo subset, which
+``tests/zoo`` also checks on the reference backend."""
+
+
+@pytest.mark.parametrize("name", [n if n in CUDA_CI_ZOO else pytest.param(n, marks=pytest.mark.slow) for n in FAST])
 def test_zoo_models_match_eager_and_their_units_compile_with_nvcc(name, one_torch_thread, tmp_path):
     backend = _Recording()
     result = run_entry(ZOO[name], ("inference",), backend=backend)

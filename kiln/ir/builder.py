@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from .graph import Graph, Node, Value
-from .types import DType, TensorType
+from .types import Dim, DType, SymDim, TensorType
 
 
 class GraphBuilder:
@@ -51,6 +51,14 @@ class GraphBuilder:
     def array(self, data: np.ndarray, dtype: DType) -> Value:
         """A constant tensor holding ``data`` converted to ``dtype``."""
         return self.graph.add_constant(np.asarray(data, dtype=dtype.numpy), dtype)
+
+    def size(self, n: Dim, like: Value | DType) -> Value:
+        """The size ``n`` (an int, or a symbolic size bound at each call) as a scalar of
+        ``like``'s dtype: what a mean divides by."""
+        dtype = like.dtype if isinstance(like, Value) else like
+        if isinstance(n, SymDim):
+            return self.full((), n, dtype)
+        return self.const(n, dtype)
 
     def full(self, shape: Sequence[int], value: float | bool, dtype: DType) -> Value:
         return self.op("full", shape=tuple(shape), value=value, dtype=dtype)

@@ -31,6 +31,7 @@ import numpy as np
 
 from kiln.ir import DType, Graph, KilnError, Node, Value
 from kiln.ir.builder import GraphBuilder
+from kiln.ir.types import SymDim
 from kiln.passes.base import Pass, PassResult, register_pass
 
 FLOAT_DTYPES = frozenset({DType.float64, DType.float32, DType.float16, DType.bfloat16})
@@ -137,9 +138,8 @@ def splat_value(value: Value) -> Any | None:
         if value.dtype.is_floating and bool(np.all(np.isnan(data.astype(np.float32)))):
             return first
         return None
-    producer = value.producer
-    if producer is not None and producer.op_name == "full":
-        return value.dtype.numpy.type(producer.attrs["value"])
+    if _full_of_a_number(value):
+        return value.dtype.numpy.type(value.producer.attrs["value"])
     return None
 
 
@@ -151,17 +151,22 @@ def constant_data(value: Value, max_elements: int | None = None) -> np.ndarray |
     """
     if value.origin == "const":
         return value.data
-    producer = value.producer
-    if producer is None or producer.op_name != "full" or not value.type.is_static:
+    if not _full_of_a_number(value) or not value.type.is_static:
         return None
     if max_elements is not None and value.type.numel > max_elements:
         return None
-    return np.full(value.shape, producer.attrs["value"], dtype=value.dtype.numpy)
+    return np.full(value.shape, value.producer.attrs["value"], dtype=value.dtype.numpy)
 
 
 def is_constant(value: Value) -> bool:
-    """True for graph constants and results of ``full`` nodes."""
-    return value.origin == "const" or (value.producer is not None and value.producer.op_name == "full")
+    """True for graph constants and results of ``full`` nodes of a number (not of a
+    symbolic size, whose value each call binds)."""
+    return value.origin == "const" or _full_of_a_number(value)
+
+
+def _full_of_a_number(value: Value) -> bool:
+    producer = value.producer
+    return producer is not None and producer.op_name == "full" and not isinstance(producer.attrs["value"], SymDim)
 
 
 # -------------------------------------------------------------------------------- matching

@@ -14,7 +14,7 @@ import numpy as np
 from ..registry import Attr, defop
 from ..types import DType, SymDim, TensorType
 from ._infer import fmt_shape
-from .compute import const, convert, defcompute
+from .compute import const, convert, defcompute, size_value
 from .vjp import defvjp, nondifferentiable
 
 
@@ -88,7 +88,11 @@ def _fill_value(value, dtype: DType):
 def _full_infer(types, *, shape, value, dtype):
     if any(isinstance(d, int) and d < 0 for d in shape):
         raise ValueError(f"shape {fmt_shape(shape)} has a negative size")
-    _fill_value(value, dtype)
+    if isinstance(value, SymDim):  # a size as a value (a mean's count): numeric dtypes only
+        if dtype == DType.bool:
+            raise ValueError(f"a symbolic size ({value}) cannot fill a bool tensor")
+    else:
+        _fill_value(value, dtype)
     return TensorType(tuple(shape), dtype)
 
 
@@ -114,5 +118,5 @@ def _arange_compute(ctx, *, start=0, end, step=1, dtype):
 
 @defcompute("full")
 def _full_compute(ctx, *, shape, value, dtype):
-    literal = const(_fill_value(value, dtype), dtype)
+    literal = size_value(value, dtype) if isinstance(value, SymDim) else const(_fill_value(value, dtype), dtype)
     return ctx.tensor(ctx.out_shape, dtype, lambda i: literal)

@@ -136,9 +136,12 @@ def _spread(b: GradBuilder, g, x, attrs):
     return expand_reduced(b, b.cast(g, x.dtype), x, axes, attrs["keepdim"])
 
 
-def _count(x, dims) -> int:
-    """Number of elements a reduction over ``dims`` combines."""
-    return int(np.prod([x.shape[a] for a in reduction_axes(dims, x.type.rank)], dtype=np.int64))
+def _count(x, dims):
+    """Number of elements a reduction over ``dims`` combines (a symbolic size when an axis is)."""
+    n = 1
+    for a in reduction_axes(dims, x.type.rank):
+        n = n * x.shape[a]
+    return n
 
 
 @defvjp("sum")
@@ -184,7 +187,7 @@ def mean(x, *, dims=(), keepdim=False):
 @defvjp("mean")
 def _mean_vjp(b, inputs, outputs, cotangents, attrs):
     x = inputs[0]
-    return [b.div(_spread(b, cotangents[0], x, attrs), b.const(_count(x, attrs["dims"]), x))]
+    return [b.div(_spread(b, cotangents[0], x, attrs), b.size(_count(x, attrs["dims"]), x))]
 
 
 @defop("var", infer=_float_infer, attrs={**_DIMS, "correction": Attr("float", 1.0)},
@@ -202,7 +205,11 @@ def _var_vjp(b, inputs, outputs, cotangents, attrs):
     x = inputs[0]
     axes = reduction_axes(attrs["dims"], x.type.rank)
     centered = b.sub(x, b.op("mean", x, dims=axes, keepdim=True))
-    scale = b.const(2.0 / (_count(x, attrs["dims"]) - attrs["correction"]), x)
+    count = _count(x, attrs["dims"])
+    if isinstance(count, int):
+        scale = b.const(2.0 / (count - attrs["correction"]), x)
+    else:
+        scale = b.div(b.const(2.0, x), b.sub(b.size(count, x), b.const(attrs["correction"], x)))
     return [b.mul(_spread(b, cotangents[0], x, attrs), b.mul(centered, scale))]
 
 
