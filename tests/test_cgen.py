@@ -258,3 +258,36 @@ def test_every_dialect_decision_is_a_hook():
     assert "float" not in text and "[" not in text.split("\n", 2)[2]
     with pytest.raises(ValueError, match="f64"):
         _Dialect.type_name(DType.float64)
+
+
+SIMD_AROUND_PARALLEL = """program s() {
+  buffer X: f32[64, 512]
+  buffer O: f32[64, 512]
+  buffer R: f32[64]
+  for i in [0, 64) @vectorized {
+    for j in [0, 512) @parallel {
+      S0: O[i, j] = X[i, j] * 2.0:f32
+    }
+    for k in [0, 512) {
+      S1: R[i] += X[i, k]
+    }
+  }
+}
+"""
+
+
+def test_no_parallel_region_opens_inside_an_omp_simd_loop(tmp_path):
+    """OpenMP forbids a parallel region inside ``omp simd``: a tuned schedule that vectorizes
+    an outer loop and marks an inner one parallel prints the inner loop without a region (a
+    region there is a compile error), and a reduction inside gets no region either."""
+    kernel = KernelPrinter(kl.parse(SIMD_AROUND_PARALLEL)).function("k")
+    simd_at = kernel.index("#pragma omp simd")
+    assert "omp parallel" not in kernel[simd_at:], kernel
+    cc = c_compiler()
+    if cc is None:
+        pytest.skip("no C compiler")
+    src = tmp_path / "k.c"
+    src.write_text("#include <math.h>\n#include <stdlib.h>\n#include <string.h>\n" + kernel)
+    proc = subprocess.run([cc, "-fopenmp", "-c", str(src), "-o", str(tmp_path / "k.o")], capture_output=True,
+                          text=True, check=False)
+    assert proc.returncode == 0, proc.stderr

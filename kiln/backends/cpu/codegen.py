@@ -198,6 +198,7 @@ class KernelPrinter(CStylePrinter):
         super().__init__(program)
         self._accs: dict[tuple[str, tuple[Expr, ...]], str] = {}
         self._in_parallel = False
+        self._in_simd = False  # inside an omp simd loop: OpenMP allows no parallel region there
         self._collapsed: frozenset[str] = frozenset()
         self._n_accs = 0
 
@@ -230,21 +231,23 @@ class KernelPrinter(CStylePrinter):
     def _plain_loop(self, n: Loop, ind: str, pragma: str | None = None) -> None:
         """Loop ``n`` with ``pragma``, or the pragmas of :meth:`loop_pragmas`; a parallel
         region it opens closes after its body."""
-        state = self._in_parallel, self._collapsed
+        state = self._in_parallel, self._in_simd, self._collapsed
         if n.iterator in self._collapsed:
             lines: list[str] = []  # an inner loop of a collapse(n) region: OpenMP allows no pragma between them
         else:
             lines = [pragma] if pragma is not None else self.loop_pragmas(n)
         self.lines += [ind + line for line in lines]
         self.for_loop(n, ind)
-        self._in_parallel, self._collapsed = state
+        self._in_parallel, self._in_simd, self._collapsed = state
 
     def loop_pragmas(self, n: Loop) -> list[str]:
         """OpenMP for ``n``: a parallel loop outside any region opens one (``collapse`` over
         directly nested parallel loops); a vectorized loop, an innermost parallel loop inside
-        a region and an innermost loop accumulating into registers get ``omp simd``."""
+        a region and an innermost loop accumulating into registers get ``omp simd``.  Inside
+        an ``omp simd`` loop a parallel mark opens no region (OpenMP forbids one there): the
+        loop runs in the vectorized loop's thread."""
         ann = n.annotation
-        if ann.mode == "parallel" and not self._in_parallel:
+        if ann.mode == "parallel" and not self._in_parallel and not self._in_simd:
             depth = self._collapse_depth(n)
             clause = f" collapse({depth})" if depth > 1 else ""
             inner, cur = set(), n
@@ -257,6 +260,7 @@ class KernelPrinter(CStylePrinter):
             return super().loop_pragmas(n)
         innermost = self._is_innermost(n)
         if ann.mode == "vectorized" or (innermost and (ann.mode == "parallel" or bool(self._accs))):
+            self._in_simd = True
             return [f"#pragma omp simd{self._simd_reduction_clause(n)}"]
         return []
 
@@ -300,7 +304,8 @@ class KernelPrinter(CStylePrinter):
         pragma = None
         work = nest_work((n,))
         bools = any(self.buf_dtypes[b] == DType.bool for b, _, _ in cells)
-        if not self._in_parallel and not bools and work is not None and work >= PARALLEL_REDUCTION_WORK \
+        if not self._in_parallel and not self._in_simd and not bools and work is not None \
+                and work >= PARALLEL_REDUCTION_WORK \
                 and n.annotation.mode in ("serial", "parallel"):
             clause = self._simd_reduction_clause(n)
             pragma = f"#pragma omp parallel for schedule(static){clause}"
