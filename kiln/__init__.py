@@ -31,10 +31,10 @@ def __getattr__(name: str):
 
         loops = importlib.import_module("kiln.loops")
         return loops if name == "loops" else loops.Schedule
-    if name == "schedule":  # kiln.schedule (model-level schedules) loads on first use
+    if name in ("schedule", "train"):  # kiln.schedule (model-level schedules), kiln.train (training loops)
         import importlib
 
-        return importlib.import_module("kiln.schedule")
+        return importlib.import_module("kiln." + name)
     if name == "jax":  # kiln.jax loads jax on first use
         import importlib
 
@@ -42,4 +42,5 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'kiln' has no attribute {name!r}")
 
 __all__ = ["IllegalTransformError", "KilnError", "KilnFallbackWarning", "Schedule", "ScheduleError",
-           "UnsupportedOpError", "__version__", "capture", "compile", "compile_train", "jax", "loops", "schedule"]
+           "UnsupportedOpError", "__version__", "capture", "compile", "compile_train", "jax", "loops", "schedule",
+           "train"]

@@ -215,7 +215,7 @@ def test_loss_must_be_a_scalar_and_inputs_are_checked():
     model = mlp()
     optimizer = sgd_momentum(model)
     x, y = mlp_batches(1)[0]
-    with pytest.raises(KilnError, match=r"loss_fn must return one floating-point scalar.*f32\[8, 10\]"):
+    with pytest.raises(KilnError, match=r"loss_fn must return a floating-point scalar.*f32\[8, 10\]"):
         kiln.compile_train(model, lambda out, t: (out - t) ** 2, optimizer, (x, y))
     step = kiln.compile_train(model, nn.functional.mse_loss, optimizer, (x, y))
     with pytest.raises(InputMismatchError, match=r"argument 0 .* expects f32\[8, 64\]"):

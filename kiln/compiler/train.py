@@ -49,6 +49,9 @@ Guarantees of the returned :class:`TrainStep`:
   under ``torch.manual_seed``; the backward (and ``remat``'s recomputation) uses the
   forward's mask.
 * Inputs are checked against the example inputs (shapes, dtypes) before anything runs.
+* Auxiliary outputs: a ``loss_fn`` returning a tuple ``(loss, *aux)`` makes the step return
+  ``(loss, *aux)``; only ``loss`` is differentiated, the ``aux`` tensors (per-sample losses
+  and confidences, for :func:`kiln.train.hide_samples`) are computed by the same forward.
 """
 
 from __future__ import annotations
@@ -151,13 +154,14 @@ def compile_train(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor],
     graph, live = _readable_names(captured.graph, captured.params, captured.input_positions,
                                   len(args) - targets)
     graph, live = _merge_tied_params(graph, live)
-    _check_loss(graph)
+    aux = _check_loss(graph)
     if low is not None:
         graph = AutoMixedPrecision(low.short).run(graph).graph
     if scaler is None and low == DType.float16:
         scaler = LossScaler()
     return TrainStep(graph, live, captured.input_positions, args, optimizer, kind, scaler,
-                     backend_impl, options, *_step_transforms(passes, bool(remat)), remat=bool(remat))
+                     backend_impl, options, *_step_transforms(passes, bool(remat)), remat=bool(remat),
+                     aux_outputs=aux)
 
 
 def _step_transforms(passes: Any, remat: bool) -> tuple[Any, Any]:
@@ -184,7 +188,7 @@ class TrainStep:
                  example_args: tuple[Any, ...], optimizer: torch.optim.Optimizer, kind: str,
                  scaler: LossScaler | None, backend: Backend, options: dict[str, Any],
                  transform: Callable[[Graph], Graph] | None, after_remat: Callable[[Graph], Graph] | None = None,
-                 *, remat: bool = False):
+                 *, remat: bool = False, aux_outputs: int = 0):
         self.forward_graph = forward
         self.live = live
         self.optimizer = optimizer
@@ -195,6 +199,8 @@ class TrainStep:
         self.transform = transform
         self.after_remat = after_remat
         self.remat = remat
+        self.aux_outputs = aux_outputs
+        """How many auxiliary outputs ``loss_fn`` returns after the loss (see the module docstring)."""
         self.recomputed_nodes = 0
         self._positions = list(input_positions)
         self._example = example_args
@@ -224,7 +230,7 @@ class TrainStep:
         """The current float16 loss scale (``None`` without loss scaling)."""
         return self.scaler.scale if self.scaler is not None else None
 
-    def __call__(self, *args: Any) -> torch.Tensor:
+    def __call__(self, *args: Any) -> torch.Tensor | tuple[torch.Tensor, ...]:
         tensors = self._check_inputs(args)
         self._update_structure()
         feeds = [self._feed(entry, tensors) for entry in self._plan]
@@ -247,6 +253,8 @@ class TrainStep:
             self._write_back(outputs)
             # what torch's wrapper of optimizer.step() records, so LR schedulers do not warn
             self.optimizer._opt_called = True  # type: ignore[attr-defined]
+        if self.aux_outputs:
+            return tuple(outputs[self.layout.kept[i]] for i in range(1 + self.aux_outputs))
         return outputs[self.layout.kept[0]]
 
     def _check_inputs(self, args: tuple[Any, ...]) -> list[torch.Tensor]:
@@ -492,15 +500,17 @@ def _count_targets(loss_fn: Callable[..., Any]) -> int:
     return max(len(required) - 1, 0)
 
 
-def _check_loss(graph: Graph) -> None:
-    """The captured step returns the loss, then only buffer updates (train-mode batch norm's
-    running statistics: :func:`kiln.runtime.module.buffer_updates`)."""
+def _check_loss(graph: Graph) -> int:
+    """The captured step returns the loss, its auxiliary outputs, then only buffer updates
+    (train-mode batch norm's running statistics: :func:`kiln.runtime.module.buffer_updates`).
+    Returns the number of auxiliary outputs."""
     user = graph.outputs[: len(graph.outputs) - len(buffer_updates(graph))]
-    if len(user) != 1 or user[0].type.rank != 0 or not user[0].dtype.is_floating:
+    if not user or user[0].type.rank != 0 or not user[0].dtype.is_floating:
         got = ", ".join(str(v.type) for v in user) or "nothing"
-        raise KilnError(f"kiln.compile_train: loss_fn must return one floating-point scalar "
-                        f"tensor, but the captured step returns {got}; reduce the loss with "
-                        ".mean() or .sum()")
+        raise KilnError(f"kiln.compile_train: loss_fn must return a floating-point scalar tensor "
+                        f"(or a tuple (loss, *aux) starting with one), but the captured step returns "
+                        f"{got}; reduce the loss with .mean() or .sum()")
+    return len(user) - 1
 
 
 def _readable_names(graph: Graph, params: dict[str, torch.Tensor], positions: Sequence[int],
