@@ -33,9 +33,12 @@ setup(
                  # the tvm backend's tests (see the "tvm" extra)
                  "apache-tvm==0.27.*", "apache-tvm-ffi==0.1.14.post1", "psutil",
                  # the JAX frontend's tests
-                 "jax>=0.10,<0.13"],
+                 "jax>=0.10,<0.13",
+                 # kiln.export's tests (serving inside DuckDB)
+                 "duckdb>=2.0", "pyarrow"],
         # apache-tvm-ffi 0.1.15 crashes in tvm.ir.save_json, which MetaSchedule's database calls
         "jax": ["jax>=0.10,<0.13"],
+        "export": ["duckdb>=2.0", "pyarrow"],
         "tvm": ["apache-tvm==0.27.*", "apache-tvm-ffi==0.1.14.post1", "psutil"],
         "rl": ["gymnasium>=1.0", "stable-baselines3>=2.3", "sb3-contrib>=2.3", "tqdm", "rich"],
         "bench": ["onnxruntime", "onnx", "onnxscript", "matplotlib", "tqdm"],
