@@ -23,7 +23,8 @@ def _names(text: str) -> list[str]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The benchmark's command-line options, on ``parser``."""
     parser.add_argument("--models", type=_names, default=None,
-                        help=f"comma-separated models (default: all but tiny-mlp): {', '.join(MODELS)}")
+                        help=f"comma-separated models (default: all but tiny-mlp): {', '.join(MODELS)}; "
+                             "'seeds' for the seed workloads of benchmarks/workloads (seed-* names one)")
     parser.add_argument("--systems", type=_names, default=None,
                         help=f"comma-separated systems (default: all): {', '.join(SYSTEM_NAMES)}")
     parser.add_argument("--quick", action="store_true",

@@ -314,15 +314,28 @@ MODELS: dict[str, ModelSpec] = {spec.name: spec for spec in (
 )}
 
 
+SEEDS = "seeds"
+"""The name that selects every seed workload (``benchmarks/workloads``)."""
+
+
 def select_workloads(models: list[str] | None = None, *, quick: bool = False) -> list[Workload]:
     """The workloads of ``models`` in table order; without names, the default models (with
     ``quick``: the quick models).  ``quick`` keeps each model's quick shapes (a named model
-    without any keeps its first shape)."""
-    unknown = sorted(set(models or ()) - set(MODELS))
+    without any keeps its first shape).  ``seeds`` names every seed workload, ``seed-<name>``
+    one of them."""
+    table = dict(MODELS)
+    if models and any(m == SEEDS or m.startswith("seed-") for m in models):
+        from .workloads import seed_specs
+
+        seeds = seed_specs()
+        table.update(seeds)
+        models = [name for m in models for name in (seeds if m == SEEDS else [m])]
+    unknown = sorted(set(models or ()) - set(table))
     if unknown:
-        raise ValueError(f"unknown benchmark model(s) {', '.join(unknown)}; known: {', '.join(MODELS)}")
+        raise ValueError(f"unknown benchmark model(s) {', '.join(unknown)}; known: {', '.join(MODELS)}, "
+                         f"{SEEDS} and the seed-* workloads")
     if models:
-        chosen = [spec for spec in MODELS.values() if spec.name in models]
+        chosen = [spec for spec in table.values() if spec.name in models]
     else:
         chosen = [spec for spec in MODELS.values() if (spec.in_quick if quick else spec.default)]
     workloads: list[Workload] = []

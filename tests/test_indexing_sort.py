@@ -284,3 +284,25 @@ def test_models_train_like_eager(model, inputs, one_torch_thread):
     kiln32 = grads(torch.float32, True)
     results = compare_all(kiln32, grads(torch.float32, False), grads(torch.float64, False))
     assert all(c.ok for c in results), [c for c in results if not c.ok]
+
+
+@pytest.mark.parametrize("descending", [False, True])
+def test_long_rows_sort_with_the_library_and_keep_ties_and_nan_order(descending):
+    """Rows of at least LIBRARY_SORT_MIN elements run torch's stable sort on the cpu backend
+    (the generated ranking kernel is quadratic); ties stay in input order, NaN sorts above
+    every number, as in the reference."""
+    from kiln.backends.cpu.library import LIBRARY_SORT_MIN
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 5, (6, 3 * LIBRARY_SORT_MIN), generator=g).float()  # many ties
+    x[1, 7] = x[4, 0] = float("nan")
+
+    def f(t):
+        return torch.argsort(t, dim=-1, descending=descending, stable=True), torch.topk(t, 4, largest=descending).values
+
+    compiled = kiln.compile(f, (x,), backend="cpu", cache=False, strict=True)
+    choices = compiled.executable.info["choices"]
+    assert any("argsort" in node and how == "library" for node, how in choices.items()), choices
+    (order, top), (want_order, want_top) = compiled(x), f(x)
+    assert torch.equal(order, want_order)
+    torch.testing.assert_close(top, want_top, equal_nan=True)  # torch.topk's tie order is unspecified

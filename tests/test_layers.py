@@ -29,11 +29,15 @@ def layer_of(module: str) -> str:
     assert parts[0] == "kiln", module
     if module in ("kiln.compiler.cli", "kiln.__main__"):
         return "cli"  # the command line dispatches to the tools (``kiln zoo``) too
-    if len(parts) == 1 or parts[1] in ("loops", "mapping", "jax"):
-        return "compiler"  # kiln/__init__.py (the public API), kiln/loops.py and kiln/mapping.py
+    if len(parts) == 1 or parts[1] in ("loops", "mapping", "jax", "train"):
+        return "compiler"  # kiln/__init__.py (the public API), kiln/loops.py, mapping.py, jax.py, train.py
     top = parts[1]
     if top == "zoo":
         return "tools"
+    if top == "export":
+        return "tools"  # kiln.export: serving compiled models inside DuckDB
+    if top == "workloads":
+        return "tools"  # kiln.workloads: data preparation for the workload models
     if top == "schedule":
         return "compiler"  # kiln.schedule: model-level schedules, a public-API package
     if top in LAYERS:

@@ -17,6 +17,9 @@ op                               call                                           
 ``index_put``                    ``aten.index_put`` (integer indices; the gradient     no
                                  of embeddings and gathers)
 ``scatter_add``                  ``torch.scatter_add``                                 no
+``argsort``                      ``torch.argsort(stable=True)`` for rows of at least   no
+                                 :data:`LIBRARY_SORT_MIN` elements (the generated
+                                 kernel ranks in ``O(n^2)`` per row)
 ===============================  ==================================================  ===========
 
 "Writes into" calls fill an output buffer the memory plan owns; the others return a new
@@ -177,6 +180,19 @@ def _scatter_add(node: Node, persistent: Sequence[bool] = ()) -> LibraryCall:
     return LibraryCall(scatter_add, False, "torch.scatter_add")
 
 
+LIBRARY_SORT_MIN = 32
+"""The row length from which an ``argsort`` runs as a library sort (``O(n log n)``): below
+it the generated ranking kernel (``O(n^2)``, no call overhead) is as fast."""
+
+
+def _argsort(node: Node, persistent: Sequence[bool] = ()) -> LibraryCall:
+    dim, descending = node.attrs["dim"], node.attrs["descending"]
+
+    def argsort(x: torch.Tensor) -> torch.Tensor:  # NaN above every number, ties in input order: as kiln's
+        return torch.argsort(x, dim=dim, descending=descending, stable=True)
+    return LibraryCall(argsort, False, "torch.argsort (stable)")
+
+
 def _collective(node: Node, persistent: Sequence[bool] = ()) -> LibraryCall:
     from kiln.ir.ops.collectives import torch_collective  # torch.distributed on the default group
     return LibraryCall(torch_collective(node.op_name, dict(node.attrs)), False, f"torch.distributed {node.op_name}")
@@ -190,6 +206,7 @@ LIBRARY: dict[str, Callable[[Node, Sequence[bool]], LibraryCall]] = {
     "embedding": _embedding,
     "index_put": _index_put,
     "scatter_add": _scatter_add,
+    "argsort": _argsort,
     **{name: _collective for name in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")},
 }
 """Op name -> builder of the library call for a node of that op, given which operands
@@ -210,6 +227,13 @@ def library_name(node: Node) -> str | None:
         return None  # bool masks: the reference (kiln's mask semantics span several axes)
     if node.op_name == "scatter_add" and node.inputs[0].type.rank == 0:
         return None
+    if node.op_name == "argsort":
+        x = node.inputs[0].type
+        if x.rank == 0 or x.dtype == DType.bool:
+            return None
+        n = x.shape[normalize_dim(node.attrs["dim"], x.rank)]
+        if isinstance(n, int) and n < LIBRARY_SORT_MIN:
+            return None
     return name
 
 
