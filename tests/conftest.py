@@ -32,6 +32,24 @@ def one_torch_thread():
 
 
 @pytest.fixture
+def builds(monkeypatch):
+    """How many graphs the reference and the compiled backends built (``count``), and the
+    graphs (``graphs``): a build per size would show as a count above one."""
+    from kiln.backends.base import ReferenceBackend
+    from kiln.backends.common.build import CompiledBackend
+
+    record = {"count": 0, "graphs": []}
+    for cls in (ReferenceBackend, CompiledBackend):
+        def counting(self, graph, options=None, original=cls.build):
+            record["count"] += 1
+            record["graphs"].append(graph)
+            return original(self, graph, options)
+
+        monkeypatch.setattr(cls, "build", counting)
+    return record
+
+
+@pytest.fixture
 def kiln_runs(monkeypatch):
     """Names of the kiln graphs whose reference or cpu executable ran (proves kiln, not eager,
     ran; ``...forward``/``...backward`` in training)."""

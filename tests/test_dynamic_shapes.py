@@ -14,7 +14,6 @@ import torch
 from torch import nn
 
 import kiln
-from kiln.backends.common.build import CompiledBackend
 from kiln.ir.sizes import SizeError
 from tests.models import MLP
 
@@ -25,21 +24,6 @@ def _close(out, ref, rtol=1e-4):
     out = out[0] if isinstance(out, (tuple, list)) else out
     err = float((out - ref).abs().max() / ref.abs().max().clamp_min(1e-12))
     assert err <= rtol, f"max relative error {err:.2e} > {rtol}"
-
-
-@pytest.fixture
-def builds(monkeypatch):
-    """How many times a compiled backend built a graph, and the last graph built."""
-    record = {"count": 0, "graphs": []}
-    original = CompiledBackend.build
-
-    def counting(self, graph, options=None):
-        record["count"] += 1
-        record["graphs"].append(graph)
-        return original(self, graph, options)
-
-    monkeypatch.setattr(CompiledBackend, "build", counting)
-    return record
 
 
 def test_mlp_with_a_batch_range_compiles_once_and_refuses_batch_65(builds):

@@ -22,8 +22,6 @@ from torch import nn
 from torch.export import Dim
 
 import kiln
-from kiln.backends.common.build import CompiledBackend
-from kiln.backends.base import ReferenceBackend
 
 
 def _gpt2_lm() -> nn.Module:
@@ -51,19 +49,6 @@ def _lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.detach(), b.detach()
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
-
-
-@pytest.fixture
-def builds(monkeypatch):
-    """How many graphs the reference and the compiled backends built."""
-    record = {"count": 0}
-    for cls in (ReferenceBackend, CompiledBackend):
-        def counting(self, graph, options=None, original=cls.build):
-            record["count"] += 1
-            return original(self, graph, options)
-
-        monkeypatch.setattr(cls, "build", counting)
-    return record
 
 
 def _ids(batch: int, n: int, seed: int) -> torch.Tensor:

@@ -20,8 +20,6 @@ from torch.nn import functional as F
 
 import kiln
 from benchmarks.workloads.vision import SPECS, AdaptivePatchSegViT, LongViT, SamLike, paint, synthetic_image
-from kiln.backends.base import ReferenceBackend
-from kiln.backends.common.build import CompiledBackend
 from kiln.workloads import adaptive_patches, patch_boxes, uniform_patches
 
 REL_TOL = 1e-4
@@ -236,19 +234,6 @@ def test_paint_renders_each_patch_class_over_its_area():
 
 
 # --------------------------------------------------------------------------- dynamic token counts
-
-
-@pytest.fixture
-def builds(monkeypatch):
-    """How many graphs the reference and the compiled backends built."""
-    record = {"count": 0}
-    for cls in (ReferenceBackend, CompiledBackend):
-        def counting(self, graph, options=None, original=cls.build):
-            record["count"] += 1
-            return original(self, graph, options)
-
-        monkeypatch.setattr(cls, "build", counting)
-    return record
 
 
 def test_segvit_on_adaptive_patches_builds_once_for_every_token_count(builds):
