@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import numpy as np
 import torch
@@ -48,6 +47,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import kiln
     from kiln.export import duckdb_udf, to_sql
+    from kiln.runtime.timing import best_time
 
     model, x, con = build(args.rows)
     compiled = kiln.compile(model, (torch.randn(2048, 64),), backend="cpu")
@@ -75,10 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     times: dict[str, list[float]] = {name: [] for name in paths}
     errors = {name: float(np.abs(fn() - want).max()) for name, fn in paths.items()}  # also warms up
     for _ in range(args.repeat):
-        for name, fn in paths.items():
-            start = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - start)
+        for name, fn in paths.items():  # one timed call per path per round: the paths interleave
+            times[name].append(best_time(fn, repeat=1, warmup=0))
     print(f"{args.rows} rows, MLP 64-128-64-10 with softmax, {torch.get_num_threads()} threads, "
           f"median of {args.repeat} interleaved rounds")
     print("| path | median s | rows/s | max abs err vs eager |")
