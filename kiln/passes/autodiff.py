@@ -156,7 +156,7 @@ def backprop(graph: Graph, nodes: Sequence[Node], seeds: Iterable[tuple[Value, V
     """
     seeds = list(seeds)
     needed = _needed_values(nodes, set(wrt), {v for v, _ in seeds})
-    _require_static(graph, nodes, needed)
+    _refuse_data_dependent_sizes(graph, nodes, needed)
     cotangent: dict[Value, Value] = {}
 
     def accumulate(value: Value, ct: Value, builder: GradBuilder) -> None:
@@ -216,7 +216,7 @@ def _needed_values(nodes: Sequence[Node], wrt: set[Value], seeded: set[Value]) -
     return forward & backward
 
 
-def _require_static(graph: Graph, nodes: Sequence[Node], needed: set[Value]) -> None:
+def _refuse_data_dependent_sizes(graph: Graph, nodes: Sequence[Node], needed: set[Value]) -> None:
     """Refuse data-dependent sizes on the differentiated path.  Sizes named by the graph's
     inputs (dynamic shapes) are fine: every gradient rule builds shapes from its operands,
     and they are bound again at each call."""
