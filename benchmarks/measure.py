@@ -128,6 +128,25 @@ def profile_module(model: torch.nn.Module, args: tuple, kwargs: dict | None = No
     return profile_plan(compiled.executable.plan, flat, repeat=repeat)
 
 
+class _TinyElementwise(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x * 2 + 1).relu()
+
+
+def module_call_overhead_us(number: int = 5000) -> list[tuple[str, float, float]]:
+    """Per-call time in microseconds of a ``kiln.compile``d module (the whole Python call:
+    input checks, the call plan, its kernels, the outputs) and of eager, on two tiny models
+    whose kernels take well under a microsecond: ``(label, kiln_us, eager_us)``."""
+    x = torch.randn(4)
+    rows = []
+    for label, model in (("elementwise on f32[4]", _TinyElementwise()), ("Linear(4, 4) on f32[4]", torch.nn.Linear(4, 4))):
+        compiled = kiln.compile(model, (x,), backend="cpu")
+        with torch.no_grad():
+            times = [best_time(lambda f=f: f(x), repeat=5, warmup=100, number=number) * 1e6 for f in (compiled, model)]
+        rows.append((label, *times))
+    return rows
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.measure", description=__doc__.splitlines()[0])
     parser.add_argument("models", nargs="*", metavar="MODEL",
@@ -153,6 +172,9 @@ def main(argv: list[str] | None = None) -> None:
         return
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     print(f"per-call overhead (3 tiny kernels): {call_overhead_us():.1f} us")
+    for label, kiln_us, eager_us in module_call_overhead_us():
+        print(f"per-call time of kiln.compile({label}) (whole call, kernels included): {kiln_us:.1f} us; "
+              f"eager: {eager_us:.1f} us")
     print("| model | eager ms | kiln-cpu ms | speedup | compile s | memory plan |")
     print("|---|---|---|---|---|---|")
     for name in ns.models:

@@ -41,7 +41,7 @@ from kiln.ir import Graph, KilnError, TensorType
 from kiln.ir.sizes import SizeError, bind_sizes
 from kiln.ir.types import SizeRange
 
-from .tensors import describe, kiln_dtype
+from .tensors import describe, kiln_dtype, torch_dtype
 
 _HOW_TO_GO_ON = "recompile with new example_inputs or pass a matching tensor"
 
@@ -179,6 +179,8 @@ class CompiledModule:
         self._last_s = 0.0
         self._kwarg_names = _kwarg_names(in_spec)
         self._leaf_args = _leaf_arg_count(in_spec)
+        self._out_form = _output_form(out_spec)
+        self._expected = [_fast_signature(s) for s in self.inputs]
         self.state: StateBinding | None = None
         if len(self.graphs) == 1:
             self.bind_state(self.graphs[0])
@@ -191,12 +193,17 @@ class CompiledModule:
 
     # ------------------------------------------------------------------ calling
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        flat = self._flatten(args, kwargs)
-        tensors = self._check(flat)
+        return self._run(self._check(self._flatten(args, kwargs)))
+
+    def _run(self, tensors: list[torch.Tensor]) -> Any:
+        """Run the executable on checked input tensors (no autograd) and structure the outputs."""
         start = time.perf_counter()
         if self.state is not None:
             self.state.before()
-        with torch.no_grad():
+        if torch.is_grad_enabled():
+            with torch.no_grad():
+                outputs = self.executable([*tensors, *self.params])
+        else:
             outputs = self.executable([*tensors, *self.params])
         if self.state is not None:
             outputs = self.state.after(outputs, tensors)
@@ -206,6 +213,10 @@ class CompiledModule:
         return self._structured(outputs)
 
     def _structured(self, outputs: Sequence[torch.Tensor]) -> Any:
+        if self._out_form == "leaf":
+            return outputs[0]
+        if self._out_form == "tuple":
+            return tuple(outputs)
         if self.out_spec is None:
             return outputs[0] if len(outputs) == 1 else tuple(outputs)
         return pytree.tree_unflatten(list(outputs), self.out_spec)
@@ -272,8 +283,11 @@ class CompiledModule:
     def _check(self, flat: list[Any]) -> list[torch.Tensor]:
         self._check_count(flat)
         tensors: list[torch.Tensor] = []
-        for index, (slot, value) in enumerate(zip(self.inputs, flat)):
-            if slot.is_tensor:
+        for index, (slot, value, expected) in enumerate(zip(self.inputs, flat, self._expected)):
+            if expected is not None and isinstance(value, torch.Tensor) and value.dtype is expected[0] \
+                    and value.shape == expected[1]:
+                tensors.append(value)  # the common case: exactly the compiled dtype and static shape
+            elif slot.is_tensor:
                 _check_tensor(index, slot, value)
                 tensors.append(value)
             elif not _same_constant(slot.value, value):
@@ -361,6 +375,29 @@ def _leaf_arg_count(in_spec: pytree.TreeSpec | None) -> int:
     if kwargs_spec.num_children or any(not child.is_leaf() for child in args_spec.children()):
         return -1
     return args_spec.num_children
+
+
+def _output_form(out_spec: pytree.TreeSpec | None) -> str | None:
+    """``"leaf"`` (one tensor) or ``"tuple"`` (a flat tuple of tensors) when the outputs need
+    no pytree walk to be structured, else ``None``."""
+    if out_spec is None:
+        return None
+    if out_spec.is_leaf():
+        return "leaf"
+    if out_spec.type is tuple and all(child.is_leaf() for child in out_spec.children()):
+        return "tuple"
+    return None
+
+
+def _fast_signature(slot: InputSlot) -> tuple[torch.dtype, tuple[int, ...]] | None:
+    """The torch dtype and static shape a tensor input must have, for the per-call check's fast
+    path (``None``: a non-tensor, a symbolic shape or a dtype torch lacks: the full check)."""
+    if slot.type is None or not slot.type.is_static:
+        return None
+    try:
+        return torch_dtype(slot.type.dtype), tuple(slot.type.shape)
+    except (TypeError, KeyError, ValueError):
+        return None
 
 
 def _check_tensor(index: int, slot: InputSlot, value: Any) -> None:

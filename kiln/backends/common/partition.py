@@ -43,7 +43,7 @@ graph output are not planned (they are allocated per call: outputs escape).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -189,6 +189,14 @@ class Partitioner:
         epilogue, or ``None`` (the anchor is a library call)."""
         return None
 
+    def anchor_library(self, anchor: Node, body: Graph,
+                       operand: dict[Value, PlanValue]) -> tuple[LibraryCall, list[Node], list[Value]] | None:
+        """For a fused ``library+epilogue`` node whose anchor is a library call: a call that
+        also computes the first nodes of the epilogue, or ``None``.  Returns the call, the
+        nodes it computes (the anchor first; the result is the last one's) and the body
+        inputs it reads, in its argument order (``operand`` maps body inputs to plan values)."""
+        return None
+
     def layouts(self) -> None:
         """Layout decisions once every node is planned (before views are absorbed)."""
 
@@ -270,10 +278,18 @@ class Partitioner:
         spec = None
         if found is not None:
             spec, anchor_ins = found
-        epilogue, used = split_epilogue(body, anchor)
+        absorbed = self.anchor_library(anchor, body, operand) if spec is None else None
+        computed = absorbed[1] if absorbed is not None else [anchor]
+        result = computed[-1].outputs[0]
+        epilogue, used = split_epilogue(body, anchor, computed[1:])
         escapes = result in body.outputs
         if spec is not None:
             anchor_pv = self.new(result.type, result.name, "buffer")
+        elif absorbed is not None:
+            call, _, reads = absorbed
+            names = "+".join(n.op_name for n in computed)
+            anchor_pv = self.library(call, [operand[v] for v in reads], [result], f"%{result.name} = {names}",
+                                     source=anchor)[0]
         else:
             persistent = self.persistent(anchor_ins)
             anchor_pv = self.library(self.library_call(anchor, persistent), anchor_ins, [result],
@@ -435,15 +451,18 @@ def _as_array(result: object, type: TensorType) -> np.ndarray:
     return np.ascontiguousarray(np.asarray(result).astype(type.dtype.numpy, copy=False).reshape(type.shape))
 
 
-def split_epilogue(body: Graph, anchor: Node) -> tuple[Graph | None, list[Value]]:
+def split_epilogue(body: Graph, anchor: Node, absorbed: Sequence[Node] = ()) -> tuple[Graph | None, list[Value]]:
     """The epilogue of ``anchor`` in ``body`` as a graph whose first input is the anchor's
     result and whose other inputs are the body inputs it reads (also returned); ``None``
-    when every body output is the anchor's result."""
-    result = anchor.outputs[0]
+    when every body output is the anchor's result.  ``absorbed``: the epilogue's first nodes,
+    computed with the anchor (by :meth:`Partitioner.anchor_library`); the last one's result
+    then stands for the anchor's."""
+    skipped = {anchor, *absorbed}
+    result = (absorbed[-1] if absorbed else anchor).outputs[0]
     outputs = [v for v in body.outputs if v is not result]
     if not outputs:
         return None, []
-    read = {v for n in body.nodes if n is not anchor for v in n.inputs}
+    read = {v for n in body.nodes if n not in skipped for v in n.inputs}
     used = [v for v in body.inputs if v in read]
     epi = Graph(f"{body.name}_epilogue")
     vmap: dict[Value, Value] = {result: epi.add_input(result.name, result.type)}
@@ -452,7 +471,7 @@ def split_epilogue(body: Graph, anchor: Node) -> tuple[Graph | None, list[Value]
     for c in body.constants:
         vmap[c] = epi.add_constant(c.data, c.dtype, name=c.name, dedup=False)
     for n in body.nodes:
-        if n is anchor:
+        if n in skipped:
             continue
         new = epi.add_node(n.op, [vmap[v] for v in n.inputs], n.attrs, names=[v.name for v in n.outputs])
         vmap.update(zip(n.outputs, new.outputs))

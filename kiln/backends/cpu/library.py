@@ -8,8 +8,8 @@ op                               call                                           
 ===============================  ==================================================  ===========
 ``matmul``                       ``torch.matmul(a, b, out=o)`` (MKL GEMM; transposed   yes
                                  operands are read in place, no copy)
-``conv``                         oneDNN with a prepacked weight (2-d float32, see     no
-                                 :class:`PackedConv2d`), else
+``conv``                         oneDNN with a prepacked weight (2-d and 3-d          no
+                                 float32, :class:`~.packed_conv.PackedConv`), else
                                  ``torch.nn.functional.conv{1,2,3}d``
 ``conv_transpose``               ``torch.nn.functional.conv_transpose{1,2,3}d``       no
 ``scaled_dot_product_attention`` ``torch.nn.functional.scaled_dot_product_attention``  no
@@ -37,7 +37,6 @@ implementation on the host -- how this backend runs nodes nothing else can run -
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -52,18 +51,31 @@ from kiln.runtime.tensors import from_numpy, to_numpy
 
 from .attention import attention_call
 from .conv import native_conv
+from .packed_conv import PackedConv, packed_conv_available
 
 
 def _matmul(node: Node, persistent: Sequence[bool] = ()) -> LibraryCall:
     def matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
-        torch.matmul(a, b, out=out)
+        # torch computes vector-matrix products as matrix products and would resize a
+        # vector ``out`` to their rank (a deprecated resize, with a warning): give it the
+        # matrix view of the same memory instead.
+        if a.dim() == 1 and b.dim() >= 2:
+            torch.matmul(a.unsqueeze(0), b, out=out.unsqueeze(-2))
+        elif b.dim() == 1 and a.dim() >= 2:
+            torch.matmul(a, b.unsqueeze(-1), out=out.unsqueeze(-1))
+        else:
+            torch.matmul(a, b, out=out)
     return LibraryCall(matmul, True, "torch.matmul")
 
 
 _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 
 
-def _conv(node: Node, persistent: Sequence[bool] = ()) -> LibraryCall:
+def conv_call(node: Node, persistent: Sequence[bool] = (), post: str = "none") -> LibraryCall:
+    """The library call of a ``conv`` node; ``post`` (one of
+    :data:`~kiln.backends.cpu.packed_conv.POST_OPS`) is applied to its result inside the
+    call when the call is a :class:`~kiln.backends.cpu.packed_conv.PackedConv` (the caller
+    checks ``call.function``)."""
     a = node.attrs
     spatial = len(a["stride"])
     conv = _CONV.get(spatial)
@@ -73,55 +85,23 @@ def _conv(node: Node, persistent: Sequence[bool] = ()) -> LibraryCall:
     # Only a parameter may be packed once and reused: any other weight operand (an activation
     # or a gradient, as in the weight gradient of a convolution) is a new tensor at each call,
     # possibly at the address and version counter of the last one.
-    if spatial == 2 and node.inputs[0].dtype.name == "float32" and _PACKED_CONV and len(persistent) > 1 and persistent[1]:
-        packed = PackedConv2d(tuple(node.inputs[0].shape), stride, padding, dilation, groups)
+    if (node.inputs[0].dtype.name == "float32" and packed_conv_available(spatial) and len(persistent) > 1
+            and persistent[1] and node.inputs[0].type.is_static):
+        packed = PackedConv(tuple(node.inputs[0].shape), stride, padding, dilation, groups, post)
         # kiln's own depthwise / 1x1 / patchify kernels where they measure faster (.conv)
-        native = native_conv(node, packed)
+        native = native_conv(node, packed) if spatial == 2 and post == "none" else None
         if native is not None:
             return native
-        return LibraryCall(packed, False, "oneDNN convolution, prepacked weight", channels_last=True)
+        return LibraryCall(packed, False, "oneDNN convolution, prepacked weight" + ("" if post == "none" else f"+{post}"),
+                           channels_last=True)
 
     def convolution(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
         return conv(x, w, b, stride, padding, dilation, groups)
     return LibraryCall(convolution, False, f"torch.nn.functional.conv{spatial}d")
 
 
-_PACKED_CONV = (torch.backends.mkldnn.is_available() and hasattr(torch._C._nn, "mkldnn_reorder_conv2d_weight")
-                and hasattr(torch.ops.mkldnn, "_convolution_pointwise"))
-
-
-class PackedConv2d:
-    """A 2-d float32 convolution through oneDNN with its weight reordered into oneDNN's
-    blocked layout once and reused while the weight is unchanged.
-
-    The packed copy is keyed by the weight's storage address and version counter, so an
-    in-place update of the parameter (an optimizer step) or a new tensor is seen at the next
-    call: parameters stay live, as kiln promises.  ``F.conv2d`` reorders the weight at every
-    call; skipping that saves about a quarter of the time of 512-channel layers."""
-
-    def __init__(self, input_shape: tuple[int, ...], stride: tuple[int, ...], padding: tuple[int, ...],
-                 dilation: tuple[int, ...], groups: int):
-        self.input_shape = input_shape
-        self.args = (list(padding), list(stride), list(dilation), groups)
-        self._packed: tuple[int, int, torch.Tensor] | None = None
-        self._lock = threading.Lock()
-
-    def _weight(self, w: torch.Tensor) -> torch.Tensor:
-        key = (w.data_ptr(), w._version)
-        packed = self._packed
-        if packed is not None and packed[:2] == key:
-            return packed[2]
-        with self._lock:
-            padding, stride, dilation, groups = self.args
-            weight = torch._C._nn.mkldnn_reorder_conv2d_weight(
-                w.detach().contiguous().to_mkldnn(), padding, stride, dilation, groups, list(self.input_shape))
-            self._packed = (*key, weight)
-        return weight
-
-    def __call__(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-        padding, stride, dilation, groups = self.args
-        return torch.ops.mkldnn._convolution_pointwise(x, self._weight(w), b, padding, stride, dilation, groups,
-                                                       "none", [], "")
+def _conv(node: Node, persistent: Sequence[bool] = ()) -> LibraryCall:
+    return conv_call(node, persistent)
 
 
 _CONV_TRANSPOSE = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}

@@ -31,7 +31,8 @@ from kiln.ir.loops.expr import size_expr
 from kiln.ir import Graph, Node, Value
 
 from .gemm import KILN_PROVIDER, GemmSpec, gemm_spec, size_c_expr
-from .library import library_call, reference_call
+from .library import conv_call, library_call, reference_call
+from .packed_conv import BatchNormFolded, PackedConv
 from .microgemm import packed_shape
 
 GemmChooser = Callable[[GemmSpec, bool], GemmSpec]
@@ -118,6 +119,37 @@ class CpuPartitioner(Partitioner):
         spec, b = found
         return spec, [ins[0], b, *ins[2:]]
 
+    # ----------------------------------------------------------------- convolutions
+    def anchor_library(self, anchor: Node, body: Graph,
+                       operand: dict[Value, PlanValue]) -> tuple[LibraryCall, list[Node], list[Value]] | None:
+        """A convolution with a parameter weight computes the inference batch norm after it
+        (folded into its weight, :class:`~.packed_conv.BatchNormFolded`) when the norm's
+        statistics and affine parameters are parameters too, and oneDNN applies a ReLU after
+        either in place."""
+        if anchor.op_name != "conv" or not all(v.type.is_static for v in (*anchor.inputs, *anchor.outputs)):
+            return None
+        persistent = self.persistent([operand[v] for v in anchor.inputs])
+        if len(persistent) < 2 or not persistent[1] or not all(persistent[2:]):
+            return None
+        chain = _epilogue_chain(body, anchor)
+        computed, reads, eps = [anchor], list(anchor.inputs), None
+        if chain and chain[0].op_name == "batch_norm" and all(v in operand for v in chain[0].inputs[1:]) and all(
+                self.persistent([operand[v] for v in chain[0].inputs[1:]])):
+            computed.append(chain.pop(0))
+            reads += computed[-1].inputs[1:]
+            eps = computed[-1].attrs["eps"]
+        call = conv_call(anchor, persistent)  # kiln's own kernel or oneDNN, by measurement
+        if isinstance(call.function, PackedConv) and chain and chain[0].op_name == "relu":
+            call = conv_call(anchor, persistent, "relu")
+            computed.append(chain.pop(0))
+        if len(computed) == 1:
+            return None
+        fn = call.function
+        if eps is not None:
+            fn = BatchNormFolded(fn, len(anchor.inputs) > 2, eps)
+        label = call.label + ("" if eps is None else ", batch norm folded into the weight")
+        return replace(call, function=fn, label=label), computed, reads
+
     # ----------------------------------------------------------------- layouts
     def library(self, call: LibraryCall, ins: list[PlanValue], outs: list[Value], label: str,
                 remake: Callable[[Node], LibraryCall] | None = None, source: Node | None = None) -> list[PlanValue]:
@@ -182,6 +214,24 @@ class CpuPartitioner(Partitioner):
             permute_result(op, [0, 2, 3, 1])
             op.outputs = [physical]
             self.ops[index + 1:index + 1] = [self._nchw_view(physical, out)]
+
+
+def _epilogue_chain(body: Graph, anchor: Node) -> list[Node]:
+    """The nodes after ``anchor`` in ``body`` that each read the previous one's result as
+    their first operand, as its only reader, while that result is no body output."""
+    readers: dict[Value, list[Node]] = {}
+    for n in body.nodes:
+        for v in n.inputs:
+            readers.setdefault(v, []).append(n)
+    chain: list[Node] = []
+    current = anchor
+    while True:
+        out = current.outputs[0]
+        users = readers.get(out, [])
+        if out in body.outputs or len(users) != 1 or users[0].inputs[0] is not out or out in users[0].inputs[1:]:
+            return chain
+        current = users[0]
+        chain.append(current)
 
 
 def build_graph_plan(graph: Graph, choose: Callable[[Node], Choice], *, gemm: GemmChooser | None = None,

@@ -263,10 +263,12 @@ class TrainableCompiledModule(CompiledModule):
             self.bind_state(differentiable.graph)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        flat = self._flatten(args, kwargs)
-        tensors = [*self._check(flat), *self.params]
+        inputs = self._check(self._flatten(args, kwargs))
+        if not torch.is_grad_enabled():
+            return self._run(inputs)
+        tensors = [*inputs, *self.params]
         if not self.differentiable.needs_grad(tensors):
-            return super().__call__(*args, **kwargs)
+            return self._run(inputs)
         start = time.perf_counter()
         if self.state is not None:
             self.state.before()

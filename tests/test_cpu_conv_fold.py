@@ -1,0 +1,170 @@
+"""The cpu backend's convolution calls: oneDNN with prepacked 2-d and 3-d weights, inference
+batch norm folded into the weight, oneDNN's fused ReLU, and parameters read live."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import kiln
+from kiln.backends.cpu.packed_conv import packed_conv_available
+from kiln.runtime.module import InputMismatchError
+
+pytestmark = pytest.mark.skipif(not packed_conv_available(2), reason="torch without oneDNN")
+
+
+def _randomize_norms(model: nn.Module) -> nn.Module:
+    gen = torch.Generator().manual_seed(1)
+    for m in model.modules():
+        if isinstance(m, nn.modules.batchnorm._BatchNorm):
+            with torch.no_grad():
+                m.running_mean.copy_(torch.randn(m.num_features, generator=gen))
+                m.running_var.copy_(torch.rand(m.num_features, generator=gen) + 0.5)
+                m.weight.copy_(torch.randn(m.num_features, generator=gen))
+                m.bias.copy_(torch.randn(m.num_features, generator=gen))
+    return model.eval()
+
+
+def _labels(compiled, args) -> list[str]:
+    with torch.no_grad():
+        return [label for label, _ in compiled.executable.plan.profile([*args, *compiled.params], repeat=1)]
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+
+
+CASES = [
+    # conv, norm, activation, input shape
+    (lambda: nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d, nn.ReLU, (1, 3, 17, 17)),
+    (lambda: nn.Conv2d(4, 6, 3, stride=2, bias=True), nn.BatchNorm2d, None, (3, 4, 17, 17)),
+    (lambda: nn.Conv2d(5, 5, 1, bias=False), nn.BatchNorm2d, nn.Hardswish, (1, 5, 3, 3)),
+    (lambda: nn.Conv2d(16, 16, 3, padding=1, groups=16, bias=False), nn.BatchNorm2d, nn.ReLU, (1, 16, 17, 17)),
+    (lambda: nn.Conv3d(1, 8, 3, padding=1, bias=False), nn.BatchNorm3d, nn.ReLU, (1, 1, 9, 9, 9)),
+    (lambda: nn.Conv3d(3, 4, 3, bias=True), nn.BatchNorm3d, None, (2, 3, 5, 6, 7)),
+]
+
+
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_conv_batch_norm_activation_matches_eager_and_sees_parameter_updates(case):
+    make_conv, norm, act, shape = CASES[case]
+    torch.manual_seed(case)
+    conv = make_conv()
+    layers = [conv, norm(conv.out_channels)] + ([act()] if act else [])
+    model = _randomize_norms(nn.Sequential(*layers))
+    x = torch.randn(shape)
+    compiled = kiln.compile(model, (x,), backend="cpu", strict=True, cache=False)
+    with torch.no_grad():
+        assert _rel(compiled(x), model(x)) <= 1e-4
+        labels = _labels(compiled, (x,))
+        assert any("conv+batch_norm" in label and "folded" in label for label in labels), labels
+        # every tensor the folded weight is made from is read live
+        for update in (lambda: model[1].running_var.mul_(3.0), lambda: model[1].running_mean.add_(1.0),
+                       lambda: model[1].weight.mul_(-0.5), lambda: model[1].bias.add_(2.0),
+                       lambda: model[0].weight.mul_(0.25)):
+            update()
+            assert _rel(compiled(x), model(x)) <= 1e-4
+        if conv.bias is not None:
+            conv.bias.add_(1.5)
+            assert _rel(compiled(x), model(x)) <= 1e-4
+
+
+def test_relu_runs_inside_the_onednn_call_and_other_epilogues_stay_kernels():
+    torch.manual_seed(0)
+    model = _randomize_norms(nn.Sequential(nn.Conv2d(8, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU()))
+    x = torch.randn(1, 8, 17, 17)
+    compiled = kiln.compile(model, (x,), backend="cpu", strict=True, cache=False)
+    labels = _labels(compiled, (x,))
+    if any("oneDNN" in label for label in labels):  # kiln's own kernel may have measured faster
+        assert any("conv+batch_norm+relu" in label and "+relu" in label for label in labels), labels
+        assert not any("epilogue" in label for label in labels), labels
+
+    class Residual(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv, self.bn = nn.Conv2d(8, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8)
+
+        def forward(self, x):
+            y = self.bn(self.conv(x))
+            return torch.relu(y + x), y  # the norm's result is also an output: not folded away
+
+    model = _randomize_norms(Residual())
+    compiled = kiln.compile(model, (x,), backend="cpu", strict=True, cache=False)
+    with torch.no_grad():
+        for got, want in zip(compiled(x), model(x)):
+            assert _rel(got, want) <= 1e-4
+
+
+def test_folding_under_inference_mode_and_a_norm_on_constant_statistics():
+    """Calls in inference mode fold once and see later updates; a norm whose statistics are
+    not parameters is left to the epilogue."""
+    model = _randomize_norms(nn.Sequential(nn.Conv3d(2, 4, 3, padding=1, bias=False), nn.BatchNorm3d(4)))
+    x = torch.randn(1, 2, 6, 6, 6)
+    compiled = kiln.compile(model, (x,), backend="cpu", strict=True, cache=False)
+    with torch.inference_mode():
+        assert _rel(compiled(x), model(x)) <= 1e-4
+        assert _rel(compiled(x), model(x)) <= 1e-4
+    with torch.no_grad():
+        model[1].running_var.mul_(4.0)
+    with torch.inference_mode():
+        assert _rel(compiled(x), model(x)) <= 1e-4
+
+    class ConstantNorm(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(3, 4, 3, bias=False)
+
+        def forward(self, x):
+            c = torch.arange(4.0)
+            return torch.nn.functional.batch_norm(self.conv(x), c, c + 1, c * 0.5, c - 1)
+
+    model = ConstantNorm().eval()
+    x = torch.randn(1, 3, 9, 9)
+    compiled = kiln.compile(model, (x,), backend="cpu", strict=True, cache=False)
+    with torch.no_grad():
+        assert _rel(compiled(x), model(x)) <= 1e-4
+
+
+def test_conv_batch_norm_gradients_match_eager():
+    """The folded call serves the forward of a differentiable module; gradients come from
+    kiln's backward graph."""
+    torch.manual_seed(3)
+    model = _randomize_norms(nn.Sequential(nn.Conv2d(3, 6, 3, padding=1), nn.BatchNorm2d(6), nn.ReLU()))
+    x = torch.randn(2, 3, 9, 9)
+    compiled = kiln.compile(model, (x,), backend="cpu", strict=True, cache=False)
+    weight = torch.randn(2, 6, 9, 9)
+    (model(x) * weight).sum().backward()
+    want = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    (compiled(x) * weight).sum().backward()
+    for p, g in zip(model.parameters(), want):
+        assert _rel(p.grad, g) <= 1e-4
+
+
+@pytest.mark.parametrize("shapes", [((4,), (4, 4)), ((4,), (2, 4, 5)), ((2, 3, 4), (4,)), ((3, 4), (4,))])
+def test_vector_matmul_library_call_does_not_resize_its_output(shapes):
+    a, b = torch.randn(shapes[0]), torch.randn(shapes[1])
+
+    class MatMul(nn.Module):
+        def forward(self, a, b):
+            return a @ b
+
+    compiled = kiln.compile(MatMul(), (a, b), backend="cpu", strict=True, cache=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = compiled(a, b)
+    torch.testing.assert_close(got, a @ b, rtol=1e-5, atol=1e-5)
+
+
+def test_module_call_fast_path_still_refuses_wrong_inputs():
+    model = nn.Linear(4, 3)
+    x = torch.randn(2, 4)
+    compiled = kiln.compile(model, (x,), backend="cpu", cache=False)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), model(x))
+        for bad in (torch.randn(3, 4), torch.randn(2, 4, dtype=torch.float64), torch.randn(2, 4, 1)):
+            with pytest.raises(InputMismatchError, match="expects"):
+                compiled(bad)
