@@ -56,7 +56,7 @@ def test_conv_batch_norm_activation_matches_eager_and_sees_parameter_updates(cas
     layers = [conv, norm(conv.out_channels)] + ([act()] if act else [])
     model = _randomize_norms(nn.Sequential(*layers))
     x = torch.randn(shape)
-    compiled = kiln.compile(model, (x,), backend="cpu", strict=True, cache=False)
+    compiled = kiln.compile(model, (x,), backend="cpu", strict=True)
     with torch.no_grad():
         assert _rel(compiled(x), model(x)) <= 1e-4
         labels = _labels(compiled, (x,))
@@ -76,7 +76,7 @@ def test_relu_runs_inside_the_onednn_call_and_other_epilogues_stay_kernels():
     torch.manual_seed(0)
     model = _randomize_norms(nn.Sequential(nn.Conv2d(8, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU()))
     x = torch.randn(1, 8, 17, 17)
-    compiled = kiln.compile(model, (x,), backend="cpu", strict=True, cache=False)
+    compiled = kiln.compile(model, (x,), backend="cpu", strict=True)
     labels = _labels(compiled, (x,))
     if any("oneDNN" in label for label in labels):  # kiln's own kernel may have measured faster
         assert any("conv+batch_norm+relu" in label and "+relu" in label for label in labels), labels
@@ -92,7 +92,7 @@ def test_relu_runs_inside_the_onednn_call_and_other_epilogues_stay_kernels():
             return torch.relu(y + x), y  # the norm's result is also an output: not folded away
 
     model = _randomize_norms(Residual())
-    compiled = kiln.compile(model, (x,), backend="cpu", strict=True, cache=False)
+    compiled = kiln.compile(model, (x,), backend="cpu", strict=True)
     with torch.no_grad():
         for got, want in zip(compiled(x), model(x)):
             assert _rel(got, want) <= 1e-4
@@ -103,7 +103,7 @@ def test_folding_under_inference_mode_and_a_norm_on_constant_statistics():
     not parameters is left to the epilogue."""
     model = _randomize_norms(nn.Sequential(nn.Conv3d(2, 4, 3, padding=1, bias=False), nn.BatchNorm3d(4)))
     x = torch.randn(1, 2, 6, 6, 6)
-    compiled = kiln.compile(model, (x,), backend="cpu", strict=True, cache=False)
+    compiled = kiln.compile(model, (x,), backend="cpu", strict=True)
     with torch.inference_mode():
         assert _rel(compiled(x), model(x)) <= 1e-4
         assert _rel(compiled(x), model(x)) <= 1e-4
@@ -123,7 +123,7 @@ def test_folding_under_inference_mode_and_a_norm_on_constant_statistics():
 
     model = ConstantNorm().eval()
     x = torch.randn(1, 3, 9, 9)
-    compiled = kiln.compile(model, (x,), backend="cpu", strict=True, cache=False)
+    compiled = kiln.compile(model, (x,), backend="cpu", strict=True)
     with torch.no_grad():
         assert _rel(compiled(x), model(x)) <= 1e-4
 
@@ -134,7 +134,7 @@ def test_conv_batch_norm_gradients_match_eager():
     torch.manual_seed(3)
     model = _randomize_norms(nn.Sequential(nn.Conv2d(3, 6, 3, padding=1), nn.BatchNorm2d(6), nn.ReLU()))
     x = torch.randn(2, 3, 9, 9)
-    compiled = kiln.compile(model, (x,), backend="cpu", strict=True, cache=False)
+    compiled = kiln.compile(model, (x,), backend="cpu", strict=True)
     weight = torch.randn(2, 6, 9, 9)
     (model(x) * weight).sum().backward()
     want = [p.grad.clone() for p in model.parameters()]
@@ -152,7 +152,7 @@ def test_vector_matmul_library_call_does_not_resize_its_output(shapes):
         def forward(self, a, b):
             return a @ b
 
-    compiled = kiln.compile(MatMul(), (a, b), backend="cpu", strict=True, cache=False)
+    compiled = kiln.compile(MatMul(), (a, b), backend="cpu", strict=True)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         got = compiled(a, b)
@@ -162,7 +162,7 @@ def test_vector_matmul_library_call_does_not_resize_its_output(shapes):
 def test_module_call_fast_path_still_refuses_wrong_inputs():
     model = nn.Linear(4, 3)
     x = torch.randn(2, 4)
-    compiled = kiln.compile(model, (x,), backend="cpu", cache=False)
+    compiled = kiln.compile(model, (x,), backend="cpu")
     with torch.no_grad():
         torch.testing.assert_close(compiled(x), model(x))
         for bad in (torch.randn(3, 4), torch.randn(2, 4, dtype=torch.float64), torch.randn(2, 4, 1)):
