@@ -29,7 +29,7 @@ class LibraryCall:
     writes_into: bool
     label: str
     channels_last: bool = False
-    """The (4-d) result comes back in channels-last memory order."""
+    """The (4-d or 5-d) result comes back in channels-last memory order."""
 
 
 ViewFunction = Callable[[torch.Tensor], torch.Tensor]

@@ -10,10 +10,10 @@ convolution chains.
   prepared copy, a ``pack`` operation keeps that copy (16-column panels for kiln's own GEMM,
   :mod:`.microgemm`, else a contiguous copy of the transposed weight);
 * a convolution result that oneDNN returns channels-last keeps that layout: the slot holds
-  the NHWC tensor and the NCHW value is a ``permute`` view of it; a 4-d kernel result whose
-  every reader is such a convolution or another kernel is written NHWC too
-  (:func:`kiln.backends.common.absorb.permute_result`), so convolution chains never convert
-  layouts between layers.
+  the NHWC (3-d: NDHWC) tensor and the NCHW value is a ``permute`` view of it; a 4-d or 5-d
+  kernel result whose every reader is such a convolution or another kernel is written
+  channels-last too (:func:`kiln.backends.common.absorb.permute_result`), so convolution
+  chains never convert layouts between layers.
 """
 
 from __future__ import annotations
@@ -153,20 +153,21 @@ class CpuPartitioner(Partitioner):
     # ----------------------------------------------------------------- layouts
     def library(self, call: LibraryCall, ins: list[PlanValue], outs: list[Value], label: str,
                 remake: Callable[[Node], LibraryCall] | None = None, source: Node | None = None) -> list[PlanValue]:
-        if call.channels_last and not call.writes_into and len(outs) == 1 and outs[0].type.rank == 4:
+        if call.channels_last and not call.writes_into and len(outs) == 1 and outs[0].type.rank in CHANNELS_LAST_RANKS:
             return [self.channels_last(call, ins, outs[0], label, remake, source)]
         return super().library(call, ins, outs, label, remake, source)
 
     def channels_last(self, call: LibraryCall, ins: list[PlanValue], out: Value, label: str,
                       remake: Callable[[Node], LibraryCall] | None = None, source: Node | None = None) -> PlanValue:
-        """A library call whose NCHW result is laid out channels-last: the slot holds the
-        contiguous NHWC tensor, and the NCHW value is a ``permute`` view of it (which kernels
-        absorb and torch calls read as it is)."""
-        n, c, h, w = out.type.shape
-        physical = self.new(out.type.with_shape((n, h, w, c)), out.name + ".nhwc", "returned")
+        """A library call whose NCHW (or NCDHW) result is laid out channels-last: the slot
+        holds the contiguous NHWC (NDHWC) tensor, and the NCHW value is a ``permute`` view of
+        it (which kernels absorb and torch calls read as it is)."""
+        physical = self.new(out.type.with_shape(_channels_last_shape(out.type.shape)), out.name + ".nhwc", "returned")
+        to_last = _to_channels_last(out.type.rank)
+
         def nhwc(call: LibraryCall) -> LibraryCall:
             fn = call.function
-            return LibraryCall(lambda *tensors: fn(*tensors).permute(0, 2, 3, 1), False, call.label, True)
+            return LibraryCall(lambda *tensors: fn(*tensors).permute(*to_last), False, call.label, True)
         again = None if remake is None else (lambda n: nhwc(remake(n)))
         self.ops.append(PlanOp("library", ins, [physical], f"{label} [{call.label}]", call=nhwc(call),
                                source=source, remake=again))
@@ -178,14 +179,16 @@ class CpuPartitioner(Partitioner):
     def _nchw_view(self, physical: PlanValue, logical: PlanValue) -> PlanOp:
         """Make ``logical`` the NCHW ``permute`` view of the NHWC value ``physical``."""
         scratch = Graph("layout")
-        to_nchw = scratch.add_node("permute", [scratch.add_input("nhwc", physical.type)], {"dims": [0, 3, 1, 2]})
+        rank = physical.type.rank
+        to_nchw = scratch.add_node("permute", [scratch.add_input("nhwc", physical.type)],
+                                   {"dims": [0, rank - 1, *range(1, rank - 1)]})
         view_fn = VIEWS["permute"](to_nchw)
         logical.origin, logical.base, logical.view_node = "view", physical, to_nchw
         logical.meta = view_fn(physical.meta)
         return PlanOp("view", [physical], [logical], f"%{logical.name} = NCHW view", view=view_fn, source=to_nchw)
 
     def layouts(self) -> None:
-        """Keep convolution chains channels-last: a 4-d kernel result (not a graph output) whose
+        """Keep convolution chains channels-last: a 4-d or 5-d kernel result (not a graph output) whose
         every reader is a channels-last convolution or another kernel is written NHWC
         (:func:`~kiln.backends.common.absorb.permute_result`); readers see the NCHW value as
         a view, which kernels absorb and convolutions take as it is.  No layout round trips
@@ -202,18 +205,31 @@ class CpuPartitioner(Partitioner):
             if op.step != "kernel" or op.node is None or op.gemm is not None or len(op.outputs) != 1:
                 continue
             out = op.outputs[0]
-            if out.type.rank != 4 or out.slot in escaping or not readers.get(out.slot):
+            if out.type.rank not in CHANNELS_LAST_RANKS or out.slot in escaping or not readers.get(out.slot):
                 continue
             # A GEMM kernel's operand layout is fixed in its spec when it is planned, so its
             # operands must keep the layout they had then.
             if not all((r.step == "kernel" and r.gemm is None) or (r.step == "library" and r.call.channels_last)
                        for r in readers[out.slot]):
                 continue
-            n, c, h, w = out.type.shape
-            physical = self.new(out.type.with_shape((n, h, w, c)), out.name + ".nhwc", "buffer")
-            permute_result(op, [0, 2, 3, 1])
+            physical = self.new(out.type.with_shape(_channels_last_shape(out.type.shape)), out.name + ".nhwc",
+                                "buffer")
+            permute_result(op, list(_to_channels_last(out.type.rank)))
             op.outputs = [physical]
             self.ops[index + 1:index + 1] = [self._nchw_view(physical, out)]
+
+
+CHANNELS_LAST_RANKS = (4, 5)
+"""Ranks of the convolution results kept channels-last (2-d and 3-d convolutions)."""
+
+
+def _to_channels_last(rank: int) -> tuple[int, ...]:
+    """The ``permute`` dims from NC<spatial> to N<spatial>C."""
+    return (0, *range(2, rank), 1)
+
+
+def _channels_last_shape(shape: tuple) -> tuple:
+    return (shape[0], *shape[2:], shape[1])
 
 
 def _epilogue_chain(body: Graph, anchor: Node) -> list[Node]:
