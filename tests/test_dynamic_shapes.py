@@ -74,8 +74,12 @@ class _Hidden(nn.Module):
         return self.model(ids).last_hidden_state
 
 
-@pytest.mark.parametrize("dynamic", [None, True], ids=["dynamic-none", "dynamic-true"])
-@pytest.mark.parametrize("build", [_gpt2, _bert], ids=["gpt2", "bert"])
+@pytest.mark.parametrize("build, dynamic", [
+    pytest.param(_gpt2, None, id="gpt2-dynamic-none"),
+    pytest.param(_gpt2, True, id="gpt2-dynamic-true", marks=pytest.mark.slow),
+    pytest.param(_bert, None, id="bert-dynamic-none", marks=pytest.mark.slow),
+    pytest.param(_bert, True, id="bert-dynamic-true"),
+])  # CI runs one of each model and each dynamic setting (each takes 15-25 s); -m slow the others
 def test_torch_compile_over_eight_lengths_invokes_kiln_at_most_twice(build, dynamic):
     import torch._dynamo
 
