@@ -244,6 +244,8 @@ def test_sequence_parallel_and_pipeline_cut_illegal_uses():
         sch["blocks.0"].sequence_parallel()
     with pytest.raises(ScheduleError, match="found no attention module inside"):
         sch.build()
+    with pytest.raises(ScheduleError, match="attention= takes module types"):
+        kiln.schedule(net(), world_size=2)["blocks"].sequence_parallel(attention="attn")
     sch = kiln.schedule(net(), world_size=2)
     with pytest.raises(ScheduleError, match="not one"):
         sch["head"].cut_pipeline_stage()

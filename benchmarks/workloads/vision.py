@@ -3,8 +3,9 @@ SAM-style promptable segmenter, at sizes that run on a small CPU (random weights
 
 * :class:`LongViT`: a ViT classifier for long token sequences (many small patches of a
   large image): stride-``patch`` patchify convolution, learned or fixed 2-D sin-cos
-  position embeddings, pre-norm transformer blocks on
-  ``torch.nn.functional.scaled_dot_product_attention``, mean-pooled tokens, linear head.
+  position embeddings, pre-norm transformer blocks whose attention is an :class:`SDPA`
+  module (``torch.nn.functional.scaled_dot_product_attention``), mean-pooled tokens, linear
+  head.  :mod:`benchmarks.workloads.longseq` runs it at 16K tokens.
 * :class:`AdaptivePatchSegViT`: segmentation at patch granularity on adaptive (quadtree,
   AMR) patches.  Its input is one image's patch tokens ``[1, N, C*p*p]`` (each patch
   area-resampled to ``p x p``) and their positions ``[1, N, 3]`` (``y, x, side``,
@@ -37,8 +38,18 @@ from kiln.workloads import adaptive_patches, patch_boxes
 # --------------------------------------------------------------------------- shared blocks
 
 
+class SDPA(nn.Module):
+    """Core attention ``softmax(q k^T / sqrt(d)) v`` on ``[batch, heads, seq, dim]`` tensors
+    (``torch.nn.functional.scaled_dot_product_attention``), as a module of its own so a
+    schedule can find it: ``kiln.schedule``'s ``.sequence_parallel()`` on it exchanges
+    ``q``, ``k``, ``v`` to full sequence and a slice of the heads, and the result back."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v)
+
+
 class Block(nn.Module):
-    """Pre-norm transformer block: multi-head self-attention (SDPA), then a GELU MLP."""
+    """Pre-norm transformer block: multi-head self-attention (:class:`SDPA`), then a GELU MLP."""
 
     def __init__(self, dim: int, heads: int, mlp_ratio: float = 4.0):
         super().__init__()
@@ -47,6 +58,7 @@ class Block(nn.Module):
         self.heads = heads
         self.norm1 = nn.LayerNorm(dim)
         self.qkv = nn.Linear(dim, 3 * dim)
+        self.attn = SDPA()
         self.proj = nn.Linear(dim, dim)
         self.norm2 = nn.LayerNorm(dim)
         hidden = int(dim * mlp_ratio)
@@ -56,7 +68,7 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, n, d = x.shape
         q, k, v = self.qkv(self.norm1(x)).reshape(b, n, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
-        x = x + self.proj(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, n, d))
+        x = x + self.proj(self.attn(q, k, v).transpose(1, 2).reshape(b, n, d))
         return x + self.fc2(F.gelu(self.fc1(self.norm2(x))))
 
 

@@ -84,7 +84,8 @@ def build(sch: Schedule) -> nn.Module:
         _resize_attributes(mod)
         _apply_syncs(path, mod, d, world)
     from .sequence import apply_sequence_parallel
-    regions = [(path, d.sequence_parallel) for path, d in records if d.sequence_parallel is not None]
+    regions = [(path, d.sequence_parallel, d.sequence_attention) for path, d in records
+               if d.sequence_parallel is not None]
     if regions:
         info.grad_sync = apply_sequence_parallel(model, regions, world)
     for path, d in records:

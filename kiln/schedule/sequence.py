@@ -11,11 +11,12 @@ MLPs, projections) run on the local slice, so the parameters inside the region s
 slice's gradient: the build sums their gradients over the ranks
 (:class:`~kiln.schedule.data_parallel.GradientBuckets`).
 
-Attention modules are found two ways: transformers attention modules (those that dispatch
+Attention modules are found three ways: transformers attention modules (those that dispatch
 through ``config._attn_implementation``) get a per-module config whose implementation is
-``"kiln_ulysses"``, which wraps the module's original implementation; any other module
-given ``.sequence_parallel()`` directly is taken to be a core attention ``f(q, k, v, ...)``
-on ``[batch, heads, seq, dim]`` tensors and wrapped.  Causal masking is by position over the
+``"kiln_ulysses"``, which wraps the module's original implementation; the modules of the
+types a container's ``.sequence_parallel(attention=...)`` names, and any other module given
+``.sequence_parallel()`` directly, are taken to be a core attention ``f(q, k, v, ...)`` on
+``[batch, heads, seq, dim]`` tensors and wrapped.  Causal masking is by position over the
 full sequence inside attention; an explicit attention mask must cover the full sequence.
 """
 
@@ -113,26 +114,30 @@ def _gather(world: int, dim: int):
     return lambda t: C.all_gather(t.contiguous(), world, dim % t.dim(), "slice")
 
 
-def apply_sequence_parallel(model: nn.Module, regions: list[tuple[str, int]], world: int):
-    """Install the regions (``(path, sequence axis)``) on ``model``; returns the gradient
-    buckets summing the in-region parameters' gradients over the ranks."""
+def apply_sequence_parallel(model: nn.Module, regions: list[tuple[str, int, tuple[type, ...]]], world: int):
+    """Install the regions (``(path, sequence axis, core attention types)``) on ``model``;
+    returns the gradient buckets summing the in-region parameters' gradients over the ranks."""
     from .data_parallel import GradientBuckets
 
     params: list[nn.Parameter] = []
-    for path, dim in regions:
+    for path, dim, kinds in regions:
         mod = model.get_submodule(path) if path else model
         if _is_hf_attention(mod):
             _hf_ulysses(mod, world)
             continue
         attentions = [m for m in mod.modules() if _is_hf_attention(m)]
-        if not attentions and not isinstance(mod, nn.ModuleList) and not list(mod.children()):
+        cores = [(name, m) for name, m in mod.named_modules() if kinds and isinstance(m, kinds) and m is not mod]
+        if not attentions and not cores and not isinstance(mod, nn.ModuleList) and not list(mod.children()):
             _core_ulysses(path, mod, world)
             continue
-        if not attentions:
+        if not attentions and not cores:
             raise ScheduleError(f"sequence_parallel({path!r}): found no attention module inside; apply it to a "
-                                "container of transformers attention modules or to a core attention module")
+                                "container of transformers attention modules, name the core attention modules' "
+                                "type with attention=, or apply it to a core attention module")
         for m in attentions:
             _hf_ulysses(m, world)
+        for name, m in cores:
+            _core_ulysses(f"{path}.{name}" if path else name, m, world)
         first, last = (mod[0], mod[len(mod) - 1]) if isinstance(mod, nn.ModuleList) else (mod, mod)
         split, gather = _split(world, dim), _gather(world, dim)
         first.register_forward_pre_hook(lambda m, a, k: map_input(a, k, split), with_kwargs=True)

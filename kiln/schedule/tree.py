@@ -47,6 +47,8 @@ class Directives:
     fuse: bool = False
     fuse_options: dict[str, Any] = field(default_factory=dict)
     sequence_parallel: int | None = None
+    sequence_attention: tuple[type, ...] = ()
+    """Module types taken as core attention inside a sequence-parallel container."""
     cut: bool = False
 
 
@@ -282,13 +284,19 @@ class Schedule:
         d.syncs.append(Sync(mode, op, dict(kwargs)))
         return self
 
-    def sequence_parallel(self, dim: int = 1) -> Schedule:
+    def sequence_parallel(self, dim: int = 1, attention: type | tuple[type, ...] = ()) -> Schedule:
         """Ulysses sequence parallelism.  On a container (a block stack, an encoder): its input
         is split along the sequence axis ``dim`` so each rank holds one slice, its output is
         gathered back, and every attention inside runs an all_to_all to full sequence and
-        ``heads / world_size`` heads and back.  On an attention module: only that exchange
-        (an enclosing container must split the sequence)."""
+        ``heads / world_size`` heads and back.  The attention inside is every transformers
+        attention module, and every module of a type in ``attention``: a core attention
+        ``f(q, k, v, ...)`` on ``[batch, heads, seq, dim]`` tensors.  On an attention module:
+        only that exchange (an enclosing container must split the sequence)."""
         self._check_open("sequence_parallel")
+        kinds = attention if isinstance(attention, tuple) else (attention,)
+        if not all(isinstance(k, type) and issubclass(k, nn.Module) for k in kinds):
+            raise ScheduleError(f"sequence_parallel({self.path!r}): attention= takes module types, got "
+                                f"{attention!r}")
         if self.directives.sequence_parallel is not None:
             raise ScheduleError(f"sequence_parallel({self.path!r}): recorded twice")
         for other, d in self._root._records.items():
@@ -297,6 +305,7 @@ class Schedule:
                 raise ScheduleError(f"sequence_parallel({self.path!r}): {other!r} is already sequence parallel; "
                                     "nested regions would split the sequence twice")
         self.directives.sequence_parallel = dim
+        self.directives.sequence_attention = kinds
         return self
 
     def cut_pipeline_stage(self) -> Schedule:

@@ -119,7 +119,7 @@ def torch_collective(op: str, attrs: dict[str, Any]) -> Callable[[Any], Any]:
         _group_size(op, dist, w)
         rank = dist.get_rank()
         if attrs["mode"] == "slice":
-            return x.chunk(w, dim=attrs["dim"])[rank].contiguous()
+            return x.chunk(w, dim=attrs["dim"])[rank].clone(memory_format=torch.contiguous_format)  # never a view of x
         if dist.get_backend() == "nccl":
             parts = [p.contiguous() for p in x.chunk(w, dim=attrs["dim"])]
             out = torch.empty_like(parts[0])
