@@ -411,7 +411,7 @@ def main(argv: list[str] | None = None) -> int:
         reports = run_sequence_parallel(args.sp_tokens, batch=args.sp_batch)
         print()
         for r in reports:
-            print(f"sequence parallel, {args.sp_tokens} tokens, batch {args.sp_batch}, depth 2, rank {r['rank']}: eager rel err {r['eager_rel']:.1e}, "
+            print(f"sequence parallel, {args.sp_tokens} tokens, batch {args.sp_batch}, depth 2, rank {r['rank']}: eager rel err {r['eager_rel']:.1e}, gradient rel err {r['grad_rel']:.1e}, "
                   f"compiled rel err {r.get('compiled_rel', float('nan')):.1e}, shapes {r['shapes']}, "
                   f"collectives {r.get('collectives')}, attention kernels {r.get('kernels')}, "
                   f"time {r.get('time_s', float('nan')):.2f} s")
