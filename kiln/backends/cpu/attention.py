@@ -391,7 +391,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     return out.reshape(*batch, L, Ev)
 
 
-_CHOOSER = KernelChooser("attention")
+_CHOOSER = KernelChooser("attention", source=SOURCE)
 
 
 def _random_like(node: Node) -> list[torch.Tensor]:

@@ -417,7 +417,7 @@ def _pair(v) -> tuple[int, int]:
     return (v, v) if isinstance(v, int) else tuple(v)
 
 
-_CHOOSER = KernelChooser("conv2d")
+_CHOOSER = KernelChooser("conv2d", source=SOURCE)
 
 
 def native_conv(node: Node, library: Callable[..., torch.Tensor]) -> LibraryCall | None:

@@ -33,6 +33,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import glob
+import hashlib
 import json
 import math
 import os
@@ -47,7 +48,11 @@ from kiln.backends.common.choices import ChoiceStore
 from kiln.ir.types import DType, broadcast_shapes
 from kiln.runtime.timing import best_time
 
+from .microgemm import SOURCE as _MICRO_SOURCE
 from .microgemm import MicroGemm, packed_shape
+
+_MICRO_VERSION = hashlib.sha256(_MICRO_SOURCE.encode()).hexdigest()[:12]
+"""A digest of kiln's GEMM source, part of every stored choice's key: a changed kernel is timed again."""
 
 _CTYPE = {DType.float32: "float", DType.float64: "double"}
 PROVIDERS = ("mkl", "openblas")
@@ -315,7 +320,7 @@ class GemmTuner:
         if spec.flops < TUNE_MIN_FLOPS or len(candidates) == 1:
             return candidates[default]
         fields = asdict(replace(spec, provider="", batch=(), a_strides=(), b_strides=()))
-        key = (f"v2|{self.machine}|threads={self.threads}|packable={packable}|"
+        key = (f"v2|{self.machine}|threads={self.threads}|packable={packable}|kiln={_MICRO_VERSION}|"
                f"{json.dumps(fields, sort_keys=True, default=str)}")
         known = self._store.get(key)
         if known in candidates:

@@ -77,9 +77,12 @@ class KernelChooser:
     """Chooses between kiln's kernel and the library implementation of one kernel family
     (``family``) by timing both (see the module docstring)."""
 
-    def __init__(self, family: str, rounds: int = 5):
+    def __init__(self, family: str, rounds: int = 5, source: str = ""):
         self.family = family
         self.rounds = rounds
+        self.version = hashlib.sha256(source.encode()).hexdigest()[:12] if source else ""
+        """A digest of kiln's kernel source, part of every stored choice's key: a changed
+        kernel is timed again."""
 
     def choose(self, signature: str, kiln: Callable[[], object], library: Callable[[], object]) -> str:
         """``"kiln"`` or ``"library"`` for ``signature``: remembered, forced by
@@ -88,7 +91,7 @@ class KernelChooser:
         if forced in ("0", "1"):
             return "kiln" if forced == "1" else "library"
         store = _store(str(default_cache_dir()))
-        key = f"{_machine()}|threads={threads()}|{self.family}|{signature}"
+        key = f"{_machine()}|threads={threads()}|{self.family}{'@' + self.version if self.version else ''}|{signature}"
         known = store.get(key)
         if known is not None:
             return known
