@@ -591,3 +591,22 @@ def test_measure_command_runs_and_profiles(capsys):
     assert "GEMM (+ fused epilogue)" in profile and "ms in plan calls" in profile
     with pytest.raises(SystemExit):
         measure.main(["no-such-model"])
+
+
+def test_gemm_reading_a_select_view_of_a_kernel_result():
+    """``Linear(LayerNorm(x)[:, 0])``: the GEMM reads a strided view of a norm kernel's result
+    (once reported wrong on this backend, with a relative error of about 1)."""
+    torch.manual_seed(0)
+
+    class Head(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm, self.fc = nn.LayerNorm(48), nn.Linear(48, 10)
+
+        def forward(self, x):
+            return self.fc(self.norm(x)[:, 0])
+
+    model, x = Head(), torch.randn(2, 5, 48)
+    compiled = kiln.compile(model, (x,), backend="cpu", strict=True)
+    with torch.no_grad():
+        assert rel_err(compiled(x), model(x)) <= REL_TOL
