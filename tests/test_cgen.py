@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import kiln.loops as kl
-from kiln.backends.cpu.codegen import KernelPrinter, UnsupportedKernelError, sanitize_program
+from kiln.backends.cpu.codegen import KernelPrinter, sanitize_program
 from kiln.backends.cpu.toolchain import c_compiler
 from kiln.ir.loops.cgen import C_PRELUDE, CStylePrinter, to_c
 from kiln.ir.types import DType
@@ -178,11 +178,12 @@ def test_half_types_are_spelled_as_c_spells_them():
     assert "((_Float16)(fabsf(A[i])))" in text
 
 
-def test_the_cpu_printer_leaves_half_kernels_to_its_fallback():
-    with pytest.raises(UnsupportedKernelError, match="f16"):
-        KernelPrinter(kl.parse(HALF)).function("k")
-    with pytest.raises(UnsupportedKernelError, match="bf16"):
-        KernelPrinter.type_name(DType.bfloat16)
+def test_the_cpu_printer_computes_half_types_in_float_and_rounds_every_op():
+    text = KernelPrinter(kl.parse(HALF)).function("k")
+    assert "unsigned short" in text and "_Float16" not in text and "__bf16" not in text
+    assert "kiln_f16_load(" in text and "kiln_f16_store(" in text  # widen on load, narrow on store
+    assert "kiln_round_f16(expf(" in text  # each arithmetic result rounded, as torch computes
+    assert KernelPrinter.type_name(DType.bfloat16) == "unsigned short"
     assert CStylePrinter.type_name(DType.bfloat16) == "__bf16"
 
 

@@ -174,24 +174,23 @@ graph @views(%x: f32[4, 6]) {
 
 
 def test_fallback_kernels_read_views_of_arena_buffers():
-    """A kernel without C (bf16 casts) runs its reference on a view whose root sits at a
-    non-zero arena offset; poisoned memory makes any misplaced read visible."""
+    """A node run with its numpy reference on the host (matrix_exp) reads a view whose root
+    sits at a non-zero arena offset; poisoned memory makes any misplaced read visible."""
     text = """
 graph @fb(%x: f32[4, 8], %y: f32[100]) {
   %a: f32[100] = exp(%y)
   %b: f32[4, 8] = exp(%x)
-  %c: f32[8, 4] = reshape(%b) {shape=[8, 4]}
-  %d: bf16[8, 4] = cast(%c) {dtype=bf16}
-  %e: f32[8, 4] = cast(%d) {dtype=f32}
+  %c: f32[2, 4, 4] = reshape(%b) {shape=[2, 4, 4]}
+  %e: f32[2, 4, 4] = matrix_exp(%c)
   %s: f32[] = sum(%a)
-  %f: f32[8, 4] = mul(%e, %s)
+  %f: f32[2, 4, 4] = mul(%e, %s)
   return %f
 }"""
     exe = get_backend("cpu").build(ir.parse(text), {"poison": True})
-    assert exe.info["fallbacks"] and exe.info["arena_bytes"] > 400
-    x, y = torch.randn(4, 8), torch.randn(100)
-    want = x.exp().reshape(8, 4).bfloat16().float() * y.exp().sum()
-    torch.testing.assert_close(exe([x, y])[0], want)
+    assert exe.info["choices"]["%e = matrix_exp"] == "reference" and exe.info["arena_bytes"] > 400
+    x, y = torch.randn(4, 8) * 0.3, torch.randn(100)
+    want = torch.linalg.matrix_exp(x.exp().reshape(2, 4, 4)) * y.exp().sum()
+    torch.testing.assert_close(exe([x, y])[0], want, rtol=1e-4, atol=0)
 
 
 def test_non_contiguous_arguments():
@@ -610,3 +609,26 @@ def test_gemm_reading_a_select_view_of_a_kernel_result():
     compiled = kiln.compile(model, (x,), backend="cpu", strict=True)
     with torch.no_grad():
         assert rel_err(compiled(x), model(x)) <= REL_TOL
+
+
+class _HalfOps(nn.Module):
+    def forward(self, x, y):
+        a = torch.nn.functional.gelu(x * y + 1.5) - x.exp() * 0.25
+        return a, a.sum(-1), x.amax(0), torch.softmax(x, -1), torch.tanh(y).cumsum(-1), (x > y).to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(1,), (3, 17), (17, 1000)])
+def test_half_kernels_run_in_c_and_match_eager(dtype, shape):
+    """float16/bfloat16 kernels are C (no fallback), compute in float and round every op as
+    torch does: the results equal eager's up to the last bit of the half type, in elementwise
+    ops, reductions (accumulated in float), softmax and scans."""
+    gen = torch.Generator().manual_seed(len(shape))
+    x, y = (torch.randn(shape, generator=gen).to(dtype) for _ in range(2))
+    compiled = kiln.compile(_HalfOps(), (x, y), backend="cpu", strict=True)
+    assert not compiled.executable.info["fallbacks"]
+    ulp = 2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -10
+    for got, want in zip(compiled(x, y), _HalfOps()(x, y)):
+        assert got.dtype == want.dtype
+        scale = want.float().abs().clamp_min(1.0)
+        assert ((got.float() - want.float()).abs() / scale).max() <= 2 * ulp

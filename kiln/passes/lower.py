@@ -45,7 +45,8 @@ Guarantees:
   in index position, which the polyhedral model treats as may-accesses.
 * ``str(kiln.loops.parse(str(p))) == str(p)`` for every lowered program ``p``.
 * float16/bfloat16 kernels compute in float32 and round each op's result, as the
-  references do; they run in the interpreter (``to_c`` has no C type for them).
+  references do (the cpu backend's C printer does the same: ``HalfAsFloat`` in
+  ``kiln/ir/loops/cgen.py``).
 
 Symbolic shapes lower to loop extents and buffer shapes over size parameters; a compute
 rule that needs a concrete size (a mean's ``1/n`` over a symbolic axis, say) raises

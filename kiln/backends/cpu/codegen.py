@@ -26,8 +26,11 @@ targets, buffer parameters, local buffers and types):
 * **No aliasing.**  Global buffers are ``restrict`` parameters: the memory plan never lets
   a kernel's output share memory with its inputs.
 * Small local buffers live on the stack, zero-initialized; large ones are ``calloc``-ed.
-* ``f16`` and ``bf16`` kernels are not printed (:class:`UnsupportedKernelError`): the
-  backend runs them through its fallback, whose rounding matches the reference.
+* ``f16`` and ``bf16`` memory is ``unsigned short`` holding the bits; values are ``float``
+  in between (:class:`kiln.ir.loops.cgen.HalfAsFloat`, with the exact software conversions
+  of :data:`~kiln.ir.loops.cgen.HALF_HELPERS`): a load widens, every arithmetic result of a
+  half type is rounded to it (as torch and the reference compute, one op at a time), a store
+  narrows.  Reductions into registers accumulate in ``float`` and round once, at the store.
 * A kernel may start with a GEMM (:mod:`.gemm`) whose result its loops read (the fused
   epilogue of a matmul).
 * ``kiln_run(calls, n, ptrs)`` runs a sequence of the unit's kernels from a table in one
@@ -43,7 +46,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from kiln.ir.loops.cgen import C_TYPES, CStylePrinter
+from kiln.ir.loops.cgen import C_TYPES, HALF_HELPERS, HALF_TYPES, CStylePrinter, HalfAsFloat
 from kiln.ir.loops.expr import Const, Expr, Load, free_vars, walk
 from kiln.ir.loops.rename import generated_names
 from kiln.ir.loops.program import Buffer, If, Loop, Node, Param, Program, Reduce, Store
@@ -186,12 +189,16 @@ def nest_work(body: Sequence[Node]) -> int | None:
 
 
 # ----------------------------------------------------------------------------- printing
-class KernelPrinter(CStylePrinter):
+class KernelPrinter(HalfAsFloat, CStylePrinter):
     """The OpenMP C printer of the cpu backend: :class:`kiln.ir.loops.cgen.CStylePrinter`
     with the hooks of the module docstring (``static`` functions, ``restrict`` buffers,
-    stack locals, OpenMP loops, reductions into registers, no half types)."""
+    stack locals, OpenMP loops, reductions into registers, half types as ``float``)."""
 
-    types = {dtype: name for dtype, name in C_TYPES.items() if dtype not in (DType.float16, DType.bfloat16)}
+    types = {**C_TYPES, DType.float16: "unsigned short", DType.bfloat16: "unsigned short"}
+    half_load = {DType.float16: "kiln_f16_load", DType.bfloat16: "kiln_bf16_load"}
+    half_store = {DType.float16: "kiln_f16_store", DType.bfloat16: "kiln_bf16_store"}
+    half_round = {DType.float16: "kiln_round_f16", DType.bfloat16: "kiln_round_bf16"}
+    half_round_ops = True
     function_prefix = "static "
 
     def __init__(self, program: Program):
@@ -299,7 +306,9 @@ class KernelPrinter(CStylePrinter):
             acc = f"acc{self._n_accs}"
             self._n_accs += 1
             names.append(acc)
-            self.lines.append(f"{inner}{self.type_name(self.buf_dtypes[buffer])} {acc} = {self.ref(buffer, indices)};")
+            dtype = self.buf_dtypes[buffer]  # half cells accumulate in float
+            self.lines.append(f"{inner}{'float' if dtype in HALF_TYPES else self.type_name(dtype)} {acc} = "
+                              f"{self.load_text(buffer, indices)};")
             self._accs[(buffer, indices)] = acc
         pragma = None
         work = nest_work((n,))
@@ -315,7 +324,7 @@ class KernelPrinter(CStylePrinter):
         else:
             self._plain_loop(n, inner)
         for (buffer, indices, _), acc in zip(cells, names):
-            self.lines.append(f"{inner}{self.ref(buffer, indices)} = {acc};")
+            self.lines.append(inner + self.store_line(self.ref(buffer, indices), buffer, acc))
             del self._accs[(buffer, indices)]
         self.lines.append(f"{ind}}}")
 
@@ -386,6 +395,10 @@ def _program_function(kernel: KernelSource, position: dict[str, int | str], call
 
 def _static_array(name: str, buffer: Buffer, data: np.ndarray) -> str:
     """``static const T name[n] = {...};`` holding ``data`` exactly (hex float literals)."""
+    if buffer.dtype in HALF_TYPES:  # the stored bits
+        values = np.asarray(data, dtype=buffer.dtype.numpy).reshape(-1).view(np.uint16)
+        text = ", ".join(str(int(v)) for v in values.tolist()) or "0"
+        return f"static const unsigned short {name}[{max(values.size, 1)}] = {{{text}}};\n"
     values = np.asarray(data, dtype=buffer.dtype.numpy).reshape(-1)
     text = ", ".join(_c_literal(v, buffer.dtype) for v in values.tolist()) or "0"
     return f"static const {KernelPrinter.type_name(buffer.dtype)} {name}[{max(values.size, 1)}] = {{{text}}};\n"
@@ -417,7 +430,8 @@ def translation_unit(kernels: Sequence[KernelSource], declarations: str = "") ->
     """One C file holding every kernel (see the module docstring) and ``kiln_run``, which runs
     a sequence of them in one call (kernel ``i`` of the table is ``kernels[i]``);
     ``declarations`` go after the prelude (the vector math declarations of :mod:`.toolchain`)."""
-    parts = ["/* generated by kiln's cpu backend */", "#include <string.h>", KernelPrinter.prelude, declarations]
+    parts = ["/* generated by kiln's cpu backend */", "#include <string.h>", KernelPrinter.prelude, HALF_HELPERS,
+             declarations]
     if any(k.gemm is not None for k in kernels):
         parts.append(blas_prelude())
     parts += [kernel_function(k) for k in kernels]

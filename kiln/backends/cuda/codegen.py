@@ -53,8 +53,8 @@ import numpy as np
 
 from kiln.ir.loops import lower_mappings
 from kiln.ir.loops.gpu import block_loops, kernel_body, kernel_launch, thread_loops, verify_kernel
-from kiln.ir.loops.cgen import C_TYPES, CStylePrinter
-from kiln.ir.loops.expr import INDEX, Binary, Const, Expr, Load, Var
+from kiln.ir.loops.cgen import C_TYPES, HALF_TYPES, CStylePrinter, HalfAsFloat
+from kiln.ir.loops.expr import INDEX, Binary, Const, Expr, Var
 
 from kiln.ir.loops.rename import generated_names
 from kiln.ir.loops.program import (
@@ -64,7 +64,6 @@ from kiln.ir.types import DType
 
 from .ranges import fits_int, flat_offset
 
-HALF_TYPES = (DType.float16, DType.bfloat16)
 _COMMENT_SAFE = re.compile(r"[^A-Za-z0-9_.%@ ,:\-]")
 
 CUDA_TYPES: Mapping[DType, str] = {
@@ -142,60 +141,6 @@ def static_shape(b: Buffer) -> tuple[int, ...]:
 
 
 # ----------------------------------------------------------------------------- shared printer hooks
-class HalfAsFloat:
-    """Printer hooks for float16/bfloat16 (a mixin before a :class:`CStylePrinter`): values of
-    half dtypes are held in ``float``; memory keeps the half type.  ``half_load[dtype]`` and
-    ``half_store[dtype]`` name the conversions (to float; to the memory type, rounding to
-    nearest even) and ``half_round[dtype]`` rounds a float to the half type's precision."""
-
-    half_load: Mapping[DType, str] = {}
-    half_store: Mapping[DType, str] = {}
-    half_round: Mapping[DType, str] = {}
-
-    def _is_half(self, buffer: str) -> bool:
-        return self.buf_dtypes[buffer] in HALF_TYPES  # type: ignore[attr-defined]
-
-    def load_text(self, buffer: str, indices: tuple[Expr, ...]) -> str:
-        ref = self.ref(buffer, indices)  # type: ignore[attr-defined]
-        return f"{self.half_load[self.buf_dtypes[buffer]]}({ref})" if self._is_half(buffer) else ref  # type: ignore
-
-    def _expr(self, e: Expr) -> tuple[str, int]:
-        if isinstance(e, Load):
-            return self.load_text(e.buffer, e.indices), 8
-        return super()._expr(e)  # type: ignore[misc]
-
-    def cast(self, dtype: DType, text: str) -> str:
-        if dtype in HALF_TYPES:
-            return f"{self.half_round[dtype]}((float)({text}))"
-        return super().cast(dtype, text)  # type: ignore[misc]
-
-    def float_literal(self, text: str, dtype: DType) -> tuple[str, int]:
-        if dtype in HALF_TYPES:  # exact in the half type, hence in float
-            return text + "f", (7 if text.startswith("-") else 8)
-        return super().float_literal(text, dtype)  # type: ignore[misc]
-
-    def store_line(self, target: str, buffer: str, value: str) -> str:
-        """``target = value;`` converting into the memory type of ``buffer``."""
-        if self._is_half(buffer):
-            return f"{target} = {self.half_store[self.buf_dtypes[buffer]]}({value});"  # type: ignore[attr-defined]
-        return f"{target} = {value};"
-
-    def statement(self, s: Store | Reduce, ind: str) -> None:
-        target = self.target(s)  # type: ignore[attr-defined]
-        value = self.expr(s.value)  # type: ignore[attr-defined]
-        if not (target == self.ref(s.buffer, s.indices) and self._is_half(s.buffer)):  # type: ignore
-            super().statement(s, ind)  # type: ignore[misc]
-            return
-        current = self.load_text(s.buffer, s.indices)
-        if isinstance(s, Store):
-            combined = value
-        elif s.combiner in ("+", "*"):
-            combined = f"{current} {s.combiner} ({value})"
-        else:
-            combined = f"KILN_{s.combiner.upper()}({current}, {value})"
-        self.lines.append(ind + self.store_line(target, s.buffer, combined))  # type: ignore[attr-defined]
-
-
 class NonNegativeIndices:
     """Printer hooks (a mixin before a :class:`CStylePrinter`): ``floordiv``/``floormod`` by a
     positive integer constant of a provably non-negative integer expression print as C's

@@ -22,63 +22,19 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kiln.backends.cpu.codegen import KernelPrinter, sanitize_program
-from kiln.ir.loops.cgen import CStylePrinter
+from kiln.ir.loops.cgen import HALF_HELPERS, CStylePrinter
 from kiln.ir.loops.program import If, Loop, Node, Program, Reduce
-from kiln.ir.types import DType
 
-from .codegen import HALF_TYPES, HalfAsFloat, NonNegativeIndices, c_comment, constant_array
+from .codegen import HALF_TYPES, NonNegativeIndices, c_comment, constant_array
 from .host import SYMBOL, GraphKernel, cuda_unit, table_runner
 
-HALF_HELPERS = """typedef union { unsigned u; float f; } kiln_bits;
-static inline float kiln_bf16_load(unsigned short h) { kiln_bits v; v.u = (unsigned)h << 16; return v.f; }
-static inline unsigned short kiln_bf16_store(float x) {
-  kiln_bits v; v.f = x;
-  if ((v.u & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((v.u >> 16) | 0x40u);
-  return (unsigned short)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
-}
-static inline float kiln_f16_load(unsigned short h) {
-  kiln_bits o, magic; magic.u = 113u << 23;
-  const unsigned shifted_exp = 0x7c00u << 13;
-  o.u = (unsigned)(h & 0x7fffu) << 13;
-  unsigned exp = shifted_exp & o.u;
-  o.u += (127u - 15u) << 23;
-  if (exp == shifted_exp) o.u += (128u - 16u) << 23;
-  else if (exp == 0) { o.u += 1u << 23; o.f -= magic.f; }
-  o.u |= (unsigned)(h & 0x8000u) << 16;
-  return o.f;
-}
-static inline unsigned short kiln_f16_store(float x) {
-  kiln_bits f, infty, max16, denorm;
-  infty.u = 255u << 23; max16.u = (127u + 16u) << 23; denorm.u = ((127u - 15u) + (23u - 10u) + 1u) << 23;
-  unsigned short o;
-  f.f = x;
-  unsigned sign = f.u & 0x80000000u;
-  f.u ^= sign;
-  if (f.u >= max16.u) o = (f.u > infty.u) ? 0x7e00 : 0x7c00;
-  else if (f.u < (113u << 23)) { f.f += denorm.f; o = (unsigned short)(f.u - denorm.u); }
-  else {
-    unsigned odd = (f.u >> 13) & 1u;
-    f.u += ((unsigned)(15 - 127) << 23) + 0xfffu;
-    f.u += odd;
-    o = (unsigned short)(f.u >> 13);
-  }
-  return (unsigned short)(o | (sign >> 16));
-}
-static inline float kiln_round_f16(float x) { return kiln_f16_load(kiln_f16_store(x)); }
-static inline float kiln_round_bf16(float x) { return kiln_bf16_load(kiln_bf16_store(x)); }
-"""
-"""Exact float <-> float16/bfloat16 conversions (round to nearest even, NaN kept NaN)."""
-
-
-class EmulationPrinter(HalfAsFloat, NonNegativeIndices, KernelPrinter):
-    """The cpu backend's printer for emulated kernels, with half types (module docstring).
-    Reductions into half buffers are not accumulated in registers (they round at every step,
+class EmulationPrinter(NonNegativeIndices, KernelPrinter):
+    """The cpu backend's printer for emulated kernels (module docstring).  Half values round
+    where the GPU kernel rounds (stores and casts), not after every operation, and
+    reductions into half buffers are not accumulated in registers (they round at every step,
     as the kernel does)."""
 
-    types = {**KernelPrinter.types, DType.float16: "unsigned short", DType.bfloat16: "unsigned short"}
-    half_load = {DType.float16: "kiln_f16_load", DType.bfloat16: "kiln_bf16_load"}
-    half_store = {DType.float16: "kiln_f16_store", DType.bfloat16: "kiln_bf16_store"}
-    half_round = {DType.float16: "kiln_round_f16", DType.bfloat16: "kiln_round_bf16"}
+    half_round_ops = False
 
     def loop(self, n: Loop, ind: str) -> None:
         if any(self.buf_dtypes[r.buffer] in HALF_TYPES for r in _reductions((n,))):

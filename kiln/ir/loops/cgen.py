@@ -39,8 +39,13 @@ hook                        what it decides (default: plain C99)
 ``prelude``                 text before the functions (includes, ``KILN_MIN``)
 ==========================  ===========================================================
 
-The cpu backend's OpenMP printer (:class:`kiln.backends.cpu.codegen.KernelPrinter`)
-overrides ``loop``/``loop_pragmas`` (collapsed parallel regions, reductions in registers),
+:class:`HalfAsFloat` is a mixin for dialects that keep float16/bfloat16 values in ``float``:
+memory holds the half type (``unsigned short`` bits with the software conversions of
+:data:`HALF_HELPERS`, or a native half type), loads widen, stores and casts round to nearest
+even, and with ``half_round_ops`` every arithmetic result rounds too.
+
+The cpu backend's OpenMP printer (:class:`kiln.backends.cpu.codegen.KernelPrinter`, with
+:class:`HalfAsFloat`) overrides ``loop``/``loop_pragmas`` (collapsed parallel regions, reductions in registers),
 ``target``, ``function_prefix``, ``buffer_param`` (``restrict``), ``stack_local`` and the
 types.  A CUDA C printer would override ``types`` (``half``, ``__nv_bfloat16``),
 ``float_literal`` and ``math_function`` for them (``__float2half``, ``hexp``),
@@ -89,7 +94,6 @@ static inline long kiln_floormod(long a, long b) {
 _PREC = {"||": 1, "&&": 2, "==": 3, "!=": 3, "<": 4, "<=": 4, ">": 4, ">=": 4,
          "+": 5, "-": 5, "*": 6, "/": 6, "%": 6}
 _PRAGMAS = {"parallel": "#pragma omp parallel for", "vectorized": "#pragma omp simd"}
-_HALF = (DType.float16, DType.bfloat16)
 
 
 class CStylePrinter:
@@ -296,7 +300,7 @@ class CStylePrinter:
         """The C function of math call ``fn`` on ``dtype``: ``fabs``/``labs`` for ``abs``,
         the ``f``-suffixed ``float`` functions for f32 (and for f16/bf16, computed in
         ``float``)."""
-        suffix = "f" if dtype == DType.float32 or dtype in _HALF else ""
+        suffix = "f" if dtype == DType.float32 or dtype in HALF_TYPES else ""
         if fn == "abs":
             return f"fabs{suffix}" if dtype.is_floating else "labs"
         return fn + suffix
@@ -328,6 +332,114 @@ class CStylePrinter:
         return f"{a} {e.op} {b}", p
 
 
+HALF_TYPES = (DType.float16, DType.bfloat16)
+
+HALF_HELPERS = """typedef union { unsigned u; float f; } kiln_bits;
+static inline float kiln_bf16_load(unsigned short h) { kiln_bits v; v.u = (unsigned)h << 16; return v.f; }
+static inline unsigned short kiln_bf16_store(float x) {
+  kiln_bits v; v.f = x;
+  if ((v.u & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((v.u >> 16) | 0x40u);
+  return (unsigned short)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
+}
+static inline float kiln_f16_load(unsigned short h) {
+  kiln_bits o, magic; magic.u = 113u << 23;
+  const unsigned shifted_exp = 0x7c00u << 13;
+  o.u = (unsigned)(h & 0x7fffu) << 13;
+  unsigned exp = shifted_exp & o.u;
+  o.u += (127u - 15u) << 23;
+  if (exp == shifted_exp) o.u += (128u - 16u) << 23;
+  else if (exp == 0) { o.u += 1u << 23; o.f -= magic.f; }
+  o.u |= (unsigned)(h & 0x8000u) << 16;
+  return o.f;
+}
+static inline unsigned short kiln_f16_store(float x) {
+  kiln_bits f, infty, max16, denorm;
+  infty.u = 255u << 23; max16.u = (127u + 16u) << 23; denorm.u = ((127u - 15u) + (23u - 10u) + 1u) << 23;
+  unsigned short o;
+  f.f = x;
+  unsigned sign = f.u & 0x80000000u;
+  f.u ^= sign;
+  if (f.u >= max16.u) o = (f.u > infty.u) ? 0x7e00 : 0x7c00;
+  else if (f.u < (113u << 23)) { f.f += denorm.f; o = (unsigned short)(f.u - denorm.u); }
+  else {
+    unsigned odd = (f.u >> 13) & 1u;
+    f.u += ((unsigned)(15 - 127) << 23) + 0xfffu;
+    f.u += odd;
+    o = (unsigned short)(f.u >> 13);
+  }
+  return (unsigned short)(o | (sign >> 16));
+}
+static inline float kiln_round_f16(float x) { return kiln_f16_load(kiln_f16_store(x)); }
+static inline float kiln_round_bf16(float x) { return kiln_bf16_load(kiln_bf16_store(x)); }
+"""
+"""Exact float <-> float16/bfloat16 conversions (round to nearest even, NaN kept NaN), in
+software: memory of a half type is ``unsigned short`` holding its bits, so no compiler
+support for half types is needed (:class:`HalfAsFloat` printers use them)."""
+
+
+
+class HalfAsFloat:
+    """Printer hooks for float16/bfloat16 (a mixin before a :class:`CStylePrinter`): values of
+    half dtypes are held in ``float``; memory keeps the half type.  ``half_load[dtype]`` and
+    ``half_store[dtype]`` name the conversions (to float; to the memory type, rounding to
+    nearest even) and ``half_round[dtype]`` rounds a float to the half type's precision."""
+
+    half_load: Mapping[DType, str] = {}
+    half_store: Mapping[DType, str] = {}
+    half_round: Mapping[DType, str] = {}
+    half_round_ops: bool = False
+    """Round every arithmetic result of a half dtype too (as torch and kiln's interpreter do,
+    one operation at a time), not only stores and casts."""
+
+    def _is_half(self, buffer: str) -> bool:
+        return self.buf_dtypes[buffer] in HALF_TYPES  # type: ignore[attr-defined]
+
+    def load_text(self, buffer: str, indices: tuple[Expr, ...]) -> str:
+        ref = self.ref(buffer, indices)  # type: ignore[attr-defined]
+        return f"{self.half_load[self.buf_dtypes[buffer]]}({ref})" if self._is_half(buffer) else ref  # type: ignore
+
+    def _expr(self, e: Expr) -> tuple[str, int]:
+        if isinstance(e, Load):
+            return self.load_text(e.buffer, e.indices), 8
+        text, precedence = super()._expr(e)  # type: ignore[misc]
+        if self.half_round_ops and isinstance(e, (Binary, Unary, Call)):
+            dtype = self.dtype(e)  # type: ignore[attr-defined]
+            if dtype in HALF_TYPES:
+                return f"{self.half_round[dtype]}({text})", 8
+        return text, precedence
+
+    def cast(self, dtype: DType, text: str) -> str:
+        if dtype in HALF_TYPES:
+            return f"{self.half_round[dtype]}((float)({text}))"
+        return super().cast(dtype, text)  # type: ignore[misc]
+
+    def float_literal(self, text: str, dtype: DType) -> tuple[str, int]:
+        if dtype in HALF_TYPES:  # exact in the half type, hence in float
+            return text + "f", (7 if text.startswith("-") else 8)
+        return super().float_literal(text, dtype)  # type: ignore[misc]
+
+    def store_line(self, target: str, buffer: str, value: str) -> str:
+        """``target = value;`` converting into the memory type of ``buffer``."""
+        if self._is_half(buffer):
+            return f"{target} = {self.half_store[self.buf_dtypes[buffer]]}({value});"  # type: ignore[attr-defined]
+        return f"{target} = {value};"
+
+    def statement(self, s: Store | Reduce, ind: str) -> None:
+        target = self.target(s)  # type: ignore[attr-defined]
+        value = self.expr(s.value)  # type: ignore[attr-defined]
+        if not (target == self.ref(s.buffer, s.indices) and self._is_half(s.buffer)):  # type: ignore
+            super().statement(s, ind)  # type: ignore[misc]
+            return
+        current = self.load_text(s.buffer, s.indices)
+        if isinstance(s, Store):
+            combined = value
+        elif s.combiner in ("+", "*"):
+            combined = f"{current} {s.combiner} ({value})"
+        else:
+            combined = f"KILN_{s.combiner.upper()}({current}, {value})"
+        self.lines.append(ind + self.store_line(target, s.buffer, combined))  # type: ignore[attr-defined]
+
+
 def c_type(dtype: DType) -> str:
     """The C spelling of ``dtype`` (:data:`C_TYPES`); ``ValueError`` when it has none."""
     return CStylePrinter.type_name(dtype)
@@ -339,4 +451,4 @@ def to_c(program: Program, name: str | None = None, prelude: bool = True) -> str
     return (CStylePrinter.prelude + "\n" + body + "\n") if prelude else body + "\n"
 
 
-__all__ = ["C_PRELUDE", "C_TYPES", "CStylePrinter", "c_type", "to_c"]
+__all__ = ["C_PRELUDE", "C_TYPES", "HALF_HELPERS", "HALF_TYPES", "CStylePrinter", "HalfAsFloat", "c_type", "to_c"]
