@@ -271,3 +271,26 @@ def test_loss_scaler_follows_grad_scaler_rules():
     assert LossScaler().growth_interval == defaults.get_growth_interval()
     with pytest.raises(KilnError, match="backoff_factor"):
         LossScaler(backoff_factor=2.0)
+
+
+# ----------------------------------------------------------------------- the cpu backend
+@pytest.mark.parametrize("amp_dtype", ["bfloat16", "float16"])
+def test_cpu_amp_inference_runs_in_c_with_cached_weight_casts(amp_dtype):
+    """On the cpu backend a mixed-precision model runs no numpy fallback, its float32 weights
+    are converted once into persistent copies (plan ``pack`` steps), and an in-place update
+    of a weight is seen at the next call."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(24, 48), nn.GELU(), nn.LayerNorm(48), nn.Linear(48, 7)).eval()
+    x = torch.randn(5, 24)
+    compiled = kiln.compile(model, (x,), backend="cpu", amp=amp_dtype, strict=True)
+    assert not compiled.executable.info["fallbacks"]
+    steps = " ".join(str(s) for s in compiled.executable.plan.steps)
+    short = "bf16" if amp_dtype == "bfloat16" else "f16"
+    assert steps.count(f"{short} copy of") >= 2, steps  # the two Linear weights
+    tol = 3e-2 if amp_dtype == "bfloat16" else 5e-3
+    with torch.no_grad():
+        for _ in range(2):
+            want = model(x)
+            got = compiled(x).float()
+            assert ((got - want).abs().max() / want.abs().max()).item() <= tol
+            model[0].weight.mul_(-1.5)  # the next call must convert the weight again

@@ -119,6 +119,23 @@ class CpuPartitioner(Partitioner):
         spec, b = found
         return spec, [ins[0], b, *ins[2:]]
 
+    # ----------------------------------------------------------------- parameter casts
+    def node(self, node: Node, choice: Choice) -> None:
+        """A ``cast`` of a parameter (mixed precision's float32 weights read as bf16/f16) is a
+        ``pack``: a persistent converted copy, made again only when the parameter's storage
+        or version changes, instead of a conversion kernel at every call."""
+        if (node.op_name == "cast" and choice.impl == "generated" and node.outputs[0] not in self.graph.outputs
+                and node.outputs[0].type.is_static):
+            source = self.of[node.inputs[0]]
+            if source.root().slot in self.param_slots and source.type.is_static:
+                out = node.outputs[0]
+                packed = self.new(out.type, out.name + ".packed", "packed")
+                self.of[out] = packed
+                self.ops.append(PlanOp("pack", [source], [packed], f"%{out.name} = {out.dtype.short} copy of "
+                                                                    f"%{source.name}"))
+                return
+        super().node(node, choice)
+
     # ----------------------------------------------------------------- convolutions
     def anchor_library(self, anchor: Node, body: Graph,
                        operand: dict[Value, PlanValue]) -> tuple[LibraryCall, list[Node], list[Value]] | None:
