@@ -81,6 +81,8 @@ FULL_KERNEL = """\
 static void k(long v0, long v1, double v2, float v3, double b0[restrict v0][v1], double b1[restrict v0][v1 + 1], double b3[restrict 1]) {
   float (*b2) = calloc(KILN_MAX(v0, 1), sizeof *b2);
   int b4[8] = {0};
+  const double inv0_1 = ((int)-3) + ((float)(2.5f)) * -(v3 - -2) / 2.0;
+  const double inv1_1 = exp(-1.5);
   #pragma omp parallel for schedule(static)
   for (long v4 = 0; v4 < v0; v4++) {
     #pragma GCC unroll 4
@@ -88,9 +90,9 @@ static void k(long v0, long v1, double v2, float v3, double b0[restrict v0][v1],
       b0[v4][v5] = b0[v4][v5] * v2;
       for (long v6 = 0; v6 < v1; v6++) {
         b0[v4][v6] += v2 * b1[v4][v6 + 1];
-        b2[v4] = KILN_MAX(b2[v4], ((int)-3) + ((float)(2.5f)) * -(v3 - -2) / 2.0);
+        b2[v4] = KILN_MAX(b2[v4], inv0_1);
         if (v4 >= 1 && !(v5 < 2) || v4 == 3) {
-          b3[0] = (v4 < 2 ? exp(-1.5) : -INFINITY) - -0.0;
+          b3[0] = (v4 < 2 ? inv1_1 : -INFINITY) - -0.0;
         } else {
           b3[0] *= 2.0;
         }

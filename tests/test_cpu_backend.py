@@ -632,3 +632,16 @@ def test_half_kernels_run_in_c_and_match_eager(dtype, shape):
         assert got.dtype == want.dtype
         scale = want.float().abs().clamp_min(1.0)
         assert ((got.float() - want.float()).abs() / scale).max() <= 2 * ulp
+
+
+def test_loop_invariant_math_of_the_optimizer_update_is_computed_once():
+    """AdamW's bias corrections (``pow(beta, step)``) do not depend on the element: the
+    printer computes them once before the loop nest, not once per parameter element."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
+    step = kiln.compile_train(model, nn.functional.mse_loss, torch.optim.AdamW(model.parameters(), lr=1e-3),
+                              (torch.randn(3, 8), torch.randn(3, 4)), backend="cpu")
+    step(torch.randn(3, 8), torch.randn(3, 4))
+    lines = [line.strip() for line in step._executable.source.splitlines()
+             if "pow(" in line and not line.startswith("double pow(")]  # not the declaration
+    assert lines and all(line.startswith("const ") for line in lines), lines

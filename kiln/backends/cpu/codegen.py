@@ -23,6 +23,11 @@ targets, buffer parameters, local buffers and types):
   ``#pragma omp parallel for reduction(op: acc)``: per-thread partials combined at the end.
   Both change the order of floating-point additions (by design; results stay within
   rounding of the serial order).
+* **Loop-invariant math is computed once.**  A floating-point subexpression of a loop
+  nest's statements that calls a math function or divides, and that depends on no iterator
+  of the nest and no buffer it writes, becomes a ``const`` local before the nest (an
+  optimizer's bias corrections, ``pow(beta, step)``, were evaluated once per parameter
+  element before).
 * **No aliasing.**  Global buffers are ``restrict`` parameters: the memory plan never lets
   a kernel's output share memory with its inputs.
 * Small local buffers live on the stack, zero-initialized; large ones are ``calloc``-ed.
@@ -47,7 +52,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from kiln.ir.loops.cgen import C_TYPES, HALF_HELPERS, HALF_TYPES, CStylePrinter, HalfAsFloat
-from kiln.ir.loops.expr import Const, Expr, Load, free_vars, walk
+from kiln.ir.loops.expr import Binary, Call, Cast, Const, Expr, Load, Unary, free_vars, walk
 from kiln.ir.loops.rename import generated_names
 from kiln.ir.loops.program import Buffer, If, Loop, Node, Param, Program, Reduce, Store
 from kiln.ir.types import DType
@@ -208,6 +213,9 @@ class KernelPrinter(HalfAsFloat, CStylePrinter):
         self._in_simd = False  # inside an omp simd loop: OpenMP allows no parallel region there
         self._collapsed: frozenset[str] = frozenset()
         self._n_accs = 0
+        self._hoisted: dict[Expr, str] | None = None
+        """Loop-invariant expressions of the loop nest being printed, by their locals."""
+        self._n_hoisted = 0
 
     @classmethod
     def type_error(cls, dtype: DType) -> Exception:
@@ -224,11 +232,64 @@ class KernelPrinter(HalfAsFloat, CStylePrinter):
 
     # ---------------------------------------------------------------- loops
     def loop(self, n: Loop, ind: str) -> None:
-        cells = reduction_cells(n) if not self._accs_cover(n) else None
-        if cells is not None:
-            self._reduction_nest(n, cells, ind)
-            return
-        self._plain_loop(n, ind)
+        outermost = self._hoisted is None
+        if outermost:
+            self._hoisted = self._hoist_invariants(n, ind)
+        try:
+            cells = reduction_cells(n) if not self._accs_cover(n) else None
+            if cells is not None:
+                self._reduction_nest(n, cells, ind)
+            else:
+                self._plain_loop(n, ind)
+        finally:
+            if outermost:
+                self._hoisted = None
+
+    # ---------------------------------------------------------------- invariants
+    def _hoist_invariants(self, n: Loop, ind: str) -> dict[Expr, str]:
+        """Before loop nest ``n``: one ``const`` local per distinct floating-point expression
+        of its statements that calls a math function or divides and that no iteration
+        changes (no iterator of the nest, no buffer the nest writes): the bias corrections
+        of an optimizer update (``pow(beta, step)``) are computed once, not per element.
+        Float expressions cannot trap, so evaluating one outside its ``if`` is safe."""
+        iterators = _iterators((n,))
+        written = {s.buffer for s in _statements((n,))}
+        found: dict[Expr, str] = {}
+
+        def invariant(e: Expr) -> bool:
+            return not (free_vars(e) & iterators) and not any(
+                isinstance(x, Load) and x.buffer in written for x in walk(e))
+
+        def worth(e: Expr) -> bool:
+            nodes = list(walk(e))
+            return any(isinstance(x, Call) or (isinstance(x, Binary) and x.op == "/") for x in nodes) and not any(
+                isinstance(x, Binary) and x.op in ("/", "%", "floordiv", "floormod") and self.dtype(x).is_integer
+                for x in nodes)
+
+        def visit(e: Expr) -> None:
+            if isinstance(e, (Binary, Unary, Call, Cast)) and self.dtype(e).is_floating and invariant(e):
+                if worth(e) and e not in found:
+                    dtype = self.dtype(e)
+                    name = f"inv{len(found)}_{self._n_hoisted}"
+                    ctype = "float" if dtype in HALF_TYPES else self.type_name(dtype)
+                    self.lines.append(f"{ind}const {ctype} {name} = {self.expr(e)};")
+                    found[e] = name
+                return
+            for child in e.children():
+                visit(child)
+
+        self._n_hoisted += 1
+        self._hoisted = {}
+        for statement in _statements((n,)):
+            visit(statement.value)
+            self._hoisted = dict(found)  # later invariants may use earlier ones
+        return found
+
+    def _expr(self, e: Expr) -> tuple[str, int]:
+        name = self._hoisted.get(e) if self._hoisted else None
+        if name is not None:
+            return name, 8
+        return super()._expr(e)
 
     def _accs_cover(self, n: Loop) -> bool:
         """Whether the statements of ``n`` already accumulate into registers (inner loop of a
