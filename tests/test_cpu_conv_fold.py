@@ -48,15 +48,23 @@ CASES = [
 ]
 
 
+@pytest.fixture
+def fold_everything(monkeypatch):
+    """Fold at every size (the test shapes are small); builds bypass the compile cache, which
+    does not know the threshold changed."""
+    import kiln.backends.cpu.partition as partition
+    monkeypatch.setattr(partition, "FOLD_MIN_ELEMENTS", 0)
+
+
 @pytest.mark.parametrize("case", range(len(CASES)))
-def test_conv_batch_norm_activation_matches_eager_and_sees_parameter_updates(case):
+def test_conv_batch_norm_activation_matches_eager_and_sees_parameter_updates(case, fold_everything):
     make_conv, norm, act, shape = CASES[case]
     torch.manual_seed(case)
     conv = make_conv()
     layers = [conv, norm(conv.out_channels)] + ([act()] if act else [])
     model = _randomize_norms(nn.Sequential(*layers))
     x = torch.randn(shape)
-    compiled = kiln.compile(model, (x,), backend="cpu", strict=True)
+    compiled = kiln.compile(model, (x,), backend="cpu", strict=True, cache=False)
     with torch.no_grad():
         assert _rel(compiled(x), model(x)) <= 1e-4
         labels = _labels(compiled, (x,))
@@ -72,11 +80,11 @@ def test_conv_batch_norm_activation_matches_eager_and_sees_parameter_updates(cas
             assert _rel(compiled(x), model(x)) <= 1e-4
 
 
-def test_relu_runs_inside_the_onednn_call_and_other_epilogues_stay_kernels():
+def test_relu_runs_inside_the_onednn_call_and_other_epilogues_stay_kernels(fold_everything):
     torch.manual_seed(0)
     model = _randomize_norms(nn.Sequential(nn.Conv2d(8, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU()))
     x = torch.randn(1, 8, 17, 17)
-    compiled = kiln.compile(model, (x,), backend="cpu", strict=True)
+    compiled = kiln.compile(model, (x,), backend="cpu", strict=True, cache=False)
     labels = _labels(compiled, (x,))
     if any("oneDNN" in label for label in labels):  # kiln's own kernel may have measured faster
         assert any("conv+batch_norm+relu" in label and "+relu" in label for label in labels), labels
@@ -92,18 +100,33 @@ def test_relu_runs_inside_the_onednn_call_and_other_epilogues_stay_kernels():
             return torch.relu(y + x), y  # the norm's result is also an output: not folded away
 
     model = _randomize_norms(Residual())
-    compiled = kiln.compile(model, (x,), backend="cpu", strict=True)
+    compiled = kiln.compile(model, (x,), backend="cpu", strict=True, cache=False)
     with torch.no_grad():
         for got, want in zip(compiled(x), model(x)):
             assert _rel(got, want) <= 1e-4
 
 
-def test_folding_under_inference_mode_and_a_norm_on_constant_statistics():
+def test_only_large_results_fold_their_batch_norm():
+    """Folding costs a check per call (a few microseconds); it pays only for results from
+    FOLD_MIN_ELEMENTS elements, where the separate normalization pass is dearer."""
+    from kiln.backends.cpu.partition import FOLD_MIN_ELEMENTS
+    torch.manual_seed(0)
+    for side, folded in ((8, False), (64, True)):
+        model = _randomize_norms(nn.Sequential(nn.Conv2d(3, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16)))
+        x = torch.randn(1, 3, side, side)
+        assert (16 * side * side >= FOLD_MIN_ELEMENTS) == folded
+        compiled = kiln.compile(model, (x,), backend="cpu", strict=True)
+        with torch.no_grad():
+            assert _rel(compiled(x), model(x)) <= 1e-4
+        assert any("folded" in label for label in _labels(compiled, (x,))) == folded
+
+
+def test_folding_under_inference_mode_and_a_norm_on_constant_statistics(fold_everything):
     """Calls in inference mode fold once and see later updates; a norm whose statistics are
     not parameters is left to the epilogue."""
     model = _randomize_norms(nn.Sequential(nn.Conv3d(2, 4, 3, padding=1, bias=False), nn.BatchNorm3d(4)))
     x = torch.randn(1, 2, 6, 6, 6)
-    compiled = kiln.compile(model, (x,), backend="cpu", strict=True)
+    compiled = kiln.compile(model, (x,), backend="cpu", strict=True, cache=False)
     with torch.inference_mode():
         assert _rel(compiled(x), model(x)) <= 1e-4
         assert _rel(compiled(x), model(x)) <= 1e-4
@@ -128,7 +151,7 @@ def test_folding_under_inference_mode_and_a_norm_on_constant_statistics():
         assert _rel(compiled(x), model(x)) <= 1e-4
 
 
-def test_conv_batch_norm_gradients_match_eager():
+def test_conv_batch_norm_gradients_match_eager(fold_everything):
     """The folded call serves the forward of a differentiable module; gradients come from
     kiln's backward graph."""
     torch.manual_seed(3)

@@ -85,16 +85,22 @@ class BatchNormFolded:
         self.conv = conv
         self.has_bias = has_bias
         self.eps = float(eps)
-        self._folded: tuple[tuple, torch.Tensor, torch.Tensor] | None = None
+        self._folded: tuple[tuple[tuple, tuple | None], torch.Tensor, torch.Tensor] | None = None
         self._lock = threading.Lock()
 
     def folded(self, w: torch.Tensor, b: torch.Tensor | None, gamma: torch.Tensor, beta: torch.Tensor,
                mean: torch.Tensor, var: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The folded weight and bias, made again only when one of the tensors changed."""
-        key = _key([w, b, gamma, beta, mean, var])
+        tensors = (w, b, gamma, beta, mean, var)
         found = self._folded
-        if found is not None and key is not None and found[0] == key:
-            return found[1], found[2]
+        if found is not None:  # the common case, checked cheaply: the same tensors, unchanged
+            sources, versions = found[0]
+            try:
+                if all(t is u for t, u in zip(tensors, sources)) and versions == tuple(
+                        t._version for t in tensors if t is not None):
+                    return found[1], found[2]
+            except RuntimeError:  # an inference tensor has no version counter: fold again
+                pass
         # made outside inference mode, so that the folded weight has a version counter and a
         # packed copy of it can be reused
         with self._lock, torch.inference_mode(False), torch.no_grad():
@@ -102,7 +108,13 @@ class BatchNormFolded:
             weight = (w * scale.reshape(-1, *([1] * (w.dim() - 1)))).contiguous()
             shift = beta.float() - mean.float() * scale
             bias = shift if b is None else b * scale + shift
-            self._folded = (key, weight, bias.contiguous())
+            try:
+                versions = tuple(t._version for t in tensors if t is not None)
+            except RuntimeError:
+                versions = None  # never equal: folded at every call
+            # the tensors are kept, so a new tensor cannot take the address and version of a
+            # freed one unnoticed
+            self._folded = ((tensors, versions), weight, bias.contiguous())
         return weight, bias
 
     def __call__(self, x: torch.Tensor, w: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor:

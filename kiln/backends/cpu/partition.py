@@ -150,8 +150,9 @@ class CpuPartitioner(Partitioner):
             return None
         chain = _epilogue_chain(body, anchor)
         computed, reads, eps = [anchor], list(anchor.inputs), None
-        if chain and chain[0].op_name == "batch_norm" and all(v in operand for v in chain[0].inputs[1:]) and all(
-                self.persistent([operand[v] for v in chain[0].inputs[1:]])):
+        if (chain and chain[0].op_name == "batch_norm" and anchor.outputs[0].type.size >= FOLD_MIN_ELEMENTS
+                and all(v in operand for v in chain[0].inputs[1:])
+                and all(self.persistent([operand[v] for v in chain[0].inputs[1:]]))):
             computed.append(chain.pop(0))
             reads += computed[-1].inputs[1:]
             eps = computed[-1].attrs["eps"]
@@ -235,6 +236,11 @@ class CpuPartitioner(Partitioner):
             op.outputs = [physical]
             self.ops[index + 1:index + 1] = [self._nchw_view(physical, out)]
 
+
+FOLD_MIN_ELEMENTS = 32768
+"""Convolution results from this many elements up fold a following batch norm into the
+weight: below it the check that the folded weight is current (a few microseconds of Python)
+costs more than the separate normalization pass it saves."""
 
 CHANNELS_LAST_RANKS = (4, 5)
 """Ranks of the convolution results kept channels-last (2-d and 3-d convolutions)."""
