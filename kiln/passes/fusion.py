@@ -50,7 +50,7 @@ never regrouped, and nodes left alone have no legal partner the second time eith
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -126,18 +126,28 @@ class _Partition:
 
     # -- merging
     def try_merge(self, producer: Node, consumer: Node) -> bool:
+        if not self.can_merge(producer, consumer):
+            return False
+        self.merge(producer, consumer)
+        return True
+
+    def can_merge(self, producer: Node, consumer: Node) -> bool:
+        """Whether merging the groups of ``producer`` and ``consumer`` is legal now."""
         a, b = self.group_of[producer], self.group_of[consumer]
         if a == b:
             return False
         merged = self.members[a] + self.members[b]
-        if not (self._size_ok(merged) and self._anchors_ok(merged) and self._acyclic(a, b)):
-            return False
+        return self._size_ok(merged) and self._anchors_ok(merged) and self._acyclic(a, b)
+
+    def merge(self, producer: Node, consumer: Node) -> None:
+        """Merge the consumer's group into the producer's (the caller checked :meth:`can_merge`)."""
+        a, b = self.group_of[producer], self.group_of[consumer]
+        merged = self.members[a] + self.members[b]
         for n in self.members[b]:
             self.group_of[n] = a
         self.members[a] = merged
         self.lo[a] = min(self.lo[a], self.lo.pop(b))
         del self.members[b]
-        return True
 
     def _size_ok(self, merged: list[Node]) -> bool:
         return len(merged) <= self.max_nodes
@@ -230,11 +240,19 @@ def _check_options(max_nodes: int, strategy: str) -> None:
         raise ValueError(f"fuse: max_nodes must be at least 1, got {max_nodes}")
 
 
-def partition(graph: Graph, max_nodes: int = 32, strategy: str = "greedy") -> list[list[Node]]:
+def partition(graph: Graph, max_nodes: int = 32, strategy: str = "greedy",
+              decide: Callable[[Node, Node], bool] | None = None) -> list[list[Node]]:
     """The groups ``fuse`` would turn into ``fused`` nodes (each in graph order).
 
     Only groups of at least two non-view nodes are returned, and only groups with a result
     used outside them (dead code is left to ``dce``); see the module docstring.
+
+    ``decide(producer, consumer)``, when given, is asked before each *legal* merge (a merge
+    site: the two nodes' groups differ and merging them passes every check above), in the
+    order the greedy walk meets them; the merge happens only if it returns true.  Without
+    it every legal merge happens (what ``fuse`` does).  Declining a merge changes which
+    later sites are legal, so an agent deciding per site (:mod:`kiln.tuning.rl.sites`)
+    sees the sites one at a time.
     """
     _check_options(max_nodes, strategy)
     part = _Partition(graph, max_nodes, strategy)
@@ -244,7 +262,10 @@ def partition(graph: Graph, max_nodes: int = 32, strategy: str = "greedy") -> li
         producers = [p for p in _producers(node) if part.groupable(p)]
         producers.sort(key=lambda p: part.cls[p] not in ANCHORS)  # anchor epilogues first
         for p in producers:
-            part.try_merge(p, node)
+            if decide is None:
+                part.try_merge(p, node)
+            elif part.can_merge(p, node) and decide(p, node):
+                part.merge(p, node)
     returned = {v.producer for v in graph.outputs}
     out = []
     for members in part.groups():
