@@ -1,6 +1,7 @@
 """The training-step benchmark: one whole step (forward, loss, backward, AdamW update) per call.
 
-``python -m benchmarks --train`` (see docs/benchmarks.md, "Training step").  It reuses the
+``python -m benchmarks --train`` (see docs/benchmarks.md, "Training step"; ``--models seeds``:
+the seed workloads' steps of :mod:`benchmarks.workloads.training`, docs/workloads.md).  It reuses the
 inference harness end to end -- preparation with its memory window, warm-up, interleaved
 timing rounds, statistics, ratios, the report -- and differs only in what one call is:
 
@@ -67,7 +68,7 @@ from .harness import (
     finish_document,
     time_entries,
 )
-from .models import MLP, SEED
+from .models import MLP, SEED, SEEDS
 from .report import (
     SystemResult,
     compute_ratios,
@@ -172,11 +173,18 @@ TRAIN_WORKLOADS: dict[str, TrainWorkload] = {w.name: w for w in (
 
 
 def select_train_workloads(names: list[str] | None = None) -> list[TrainWorkload]:
-    """The named training workloads in table order (default: all but ``tiny-mlp``)."""
+    """The named training workloads in table order (default: all but ``tiny-mlp``).
+    ``seeds`` names every seed workload's training step (:mod:`benchmarks.workloads.training`),
+    ``seed-<name>`` one of them, as in the inference harness."""
+    if names and any(name == SEEDS or name.startswith("seed-") for name in names):
+        from .workloads.training import register
+
+        seeds = register()
+        names = [n for name in names for n in (seeds if name == SEEDS else [name])]
     unknown = sorted(set(names or ()) - set(TRAIN_WORKLOADS))
     if unknown:
         raise ValueError(f"unknown training workload(s) {', '.join(unknown)}; known: "
-                         f"{', '.join(TRAIN_WORKLOADS)}")
+                         f"{', '.join(TRAIN_WORKLOADS)}, {SEEDS} and the seed-* workloads")
     return [w for w in TRAIN_WORKLOADS.values() if (w.name in names if names else w.default)]
 
 

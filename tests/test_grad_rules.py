@@ -259,7 +259,7 @@ def test_rule_matches_finite_differences(case: G):
 
 NONDIFFERENTIABLE = {"eq", "ne", "lt", "le", "gt", "ge", "logical_and", "logical_or", "logical_xor",
                      "logical_not", "isnan", "isinf", "any", "all", "argmax", "argmin", "arange", "full",
-                     "argsort", "cumarg", "searchsorted", "dropout_mask", "random_uniform", "signbit",
+                     "argsort", "argtopk", "cumarg", "searchsorted", "dropout_mask", "random_uniform", "signbit",
                      "bessel_j0", "bessel_j1", "bessel_y0", "bessel_y1", "modified_bessel_i0",
                      "modified_bessel_i1", "modified_bessel_k0", "modified_bessel_k1",
                      "scaled_modified_bessel_k0", "scaled_modified_bessel_k1", "spherical_bessel_j0",

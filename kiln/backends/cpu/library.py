@@ -20,6 +20,9 @@ op                               call                                           
 ``argsort``                      ``torch.argsort(stable=True)`` for rows of at least   no
                                  :data:`LIBRARY_SORT_MIN` elements (the generated
                                  kernel ranks in ``O(n^2)`` per row)
+``argtopk``                      ``torch.topk``, ties then chosen and ordered as the   no
+                                 stable sort's (:func:`stable_topk`), for rows of at
+                                 least :data:`LIBRARY_SORT_MIN` elements
 ===============================  ==================================================  ===========
 
 "Writes into" calls fill an output buffer the memory plan owns; the others return a new
@@ -161,8 +164,9 @@ def _scatter_add(node: Node, persistent: Sequence[bool] = ()) -> LibraryCall:
 
 
 LIBRARY_SORT_MIN = 32
-"""The row length from which an ``argsort`` runs as a library sort (``O(n log n)``): below
-it the generated ranking kernel (``O(n^2)``, no call overhead) is as fast."""
+"""The row length from which an ``argsort`` runs as a library sort (``O(n log n)``) and an
+``argtopk`` as a library selection: below it the generated ranking kernel (``O(n^2)``, no
+call overhead) is as fast."""
 
 
 def _argsort(node: Node, persistent: Sequence[bool] = ()) -> LibraryCall:
@@ -171,6 +175,70 @@ def _argsort(node: Node, persistent: Sequence[bool] = ()) -> LibraryCall:
     def argsort(x: torch.Tensor) -> torch.Tensor:  # NaN above every number, ties in input order: as kiln's
         return torch.argsort(x, dim=dim, descending=descending, stable=True)
     return LibraryCall(argsort, False, "torch.argsort (stable)")
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a == b`` with NaN equal to NaN (ties of the stable order)."""
+    same = a == b
+    return same | (torch.isnan(a) & torch.isnan(b)) if a.is_floating_point() else same
+
+
+def _first_k_with_ties(rows: torch.Tensor, t: torch.Tensor, k: int, largest: bool) -> torch.Tensor:
+    """Positions (in input order) of the first ``k`` elements of each row of ``rows [R, n]``
+    in the stable order, given each row's ``k``-th value ``t [R, 1]``: every element strictly
+    beyond ``t``, then the first elements equal to ``t`` until there are ``k``."""
+    n = rows.shape[-1]
+    equal = _same(rows, t)
+    if rows.is_floating_point():  # NaN is the largest value
+        nan, t_nan = torch.isnan(rows), torch.isnan(t)
+        beyond = ((rows > t) | (nan & ~t_nan)) if largest else ((rows < t) | (~nan & t_nan))
+    else:
+        beyond = (rows > t) if largest else (rows < t)
+    needed = k - beyond.sum(-1, keepdim=True)
+    chosen = beyond | (equal & (torch.cumsum(equal, -1) <= needed))
+    # a distinct positive key per chosen position, decreasing along the row; 0 elsewhere
+    key = torch.where(chosen, torch.arange(n, 0, -1), 0)
+    return torch.topk(key, k, dim=-1).indices
+
+
+def stable_topk(x: torch.Tensor, k: int, dim: int, largest: bool) -> torch.Tensor:
+    """The first ``k`` positions of the stable order of ``x`` along ``dim`` (descending when
+    ``largest``; ties in input order, NaN above every number): ``argsort(x, stable=True)``
+    sliced to ``k``, by a partial selection.
+
+    ``torch.topk`` picks ``k`` elements but leaves the choice among ties (and their order)
+    unspecified.  It is asked for ``k + 1``: where a row's ``k``-th and ``(k+1)``-th values
+    differ, every element equal to the ``k``-th value is among the ``k`` picked, so the
+    picked set is the stable order's.  Only the rows where they tie are selected again, by
+    :func:`_first_k_with_ties` (full-row passes).  The ``k`` positions are then ordered by a
+    stable sort of their values, in input order."""
+    if x.dtype == torch.bool:
+        x = x.to(torch.uint8)
+    n = x.shape[dim]
+    lead = x.movedim(dim, -1).shape[:-1]
+    if k == 0 or n == 0:
+        return torch.empty((*lead, k), dtype=torch.int64).movedim(-1, dim)
+    rows = x.movedim(dim, -1).reshape(-1, n)
+    values, picked = torch.topk(rows, min(k + 1, n), dim=-1, largest=largest, sorted=True)
+    positions = picked[:, :k]
+    if k < n:
+        tied = torch.nonzero(_same(values[:, k - 1], values[:, k])).squeeze(1)
+        if tied.numel():
+            positions = positions.clone()
+            positions[tied] = _first_k_with_ties(rows[tied], values[tied, k - 1:k], k, largest)
+    positions = torch.sort(positions, dim=-1).values  # input order, for the stable sort
+    order = torch.argsort(torch.gather(rows, -1, positions), dim=-1, descending=largest, stable=True)
+    result = torch.gather(positions, -1, order).reshape(*lead, k)
+    return result if dim == x.dim() - 1 else result.movedim(-1, dim).contiguous()
+
+
+def _argtopk(node: Node, persistent: Sequence[bool] = ()) -> LibraryCall:
+    k, largest = node.attrs["k"], node.attrs["largest"]
+    dim = normalize_dim(node.attrs["dim"], node.inputs[0].type.rank)
+
+    def argtopk(x: torch.Tensor) -> torch.Tensor:
+        return stable_topk(x, k, dim, largest)
+    return LibraryCall(argtopk, False, "torch.topk (stable ties)")
 
 
 def _collective(node: Node, persistent: Sequence[bool] = ()) -> LibraryCall:
@@ -187,6 +255,7 @@ LIBRARY: dict[str, Callable[[Node, Sequence[bool]], LibraryCall]] = {
     "index_put": _index_put,
     "scatter_add": _scatter_add,
     "argsort": _argsort,
+    "argtopk": _argtopk,
     **{name: _collective for name in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")},
 }
 """Op name -> builder of the library call for a node of that op, given which operands
@@ -207,9 +276,9 @@ def library_name(node: Node) -> str | None:
         return None  # bool masks: the reference (kiln's mask semantics span several axes)
     if node.op_name == "scatter_add" and node.inputs[0].type.rank == 0:
         return None
-    if node.op_name == "argsort":
+    if node.op_name in ("argsort", "argtopk"):
         x = node.inputs[0].type
-        if x.rank == 0 or x.dtype == DType.bool:
+        if x.rank == 0 or (x.dtype == DType.bool and node.op_name == "argsort"):
             return None
         n = x.shape[normalize_dim(node.attrs["dim"], x.rank)]
         if isinstance(n, int) and n < LIBRARY_SORT_MIN:
@@ -260,4 +329,4 @@ generated_choice = SELECTION.generated
 
 
 __all__ = ["LIBRARY", "SELECTION", "library_call", "library_name", "generated_choice", "has_library",
-           "reference_call", "rule_choice"]
+           "reference_call", "rule_choice", "stable_topk"]

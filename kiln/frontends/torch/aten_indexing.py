@@ -2,7 +2,7 @@
 
 Two-result ATen ops (``sort``, ``topk``, ``kthvalue``, ``median.dim``, ``cummax``,
 ``cummin``) return lazily built results: the indices come from one kiln index op
-(``argsort``, ``cumarg``), the values from ``gather`` at those indices, so the values'
+(``argsort``, ``argtopk``, ``cumarg``), the values from ``gather`` at those indices, so the values'
 gradient is the cotangent scattered back to the selected positions.  Ops whose result shape
 depends on the data (``nonzero``, ``masked_select``, reading ``x[mask]``) are refused with
 the way around them.  See :mod:`kiln.frontends.torch.aten` for how rules are declared.
@@ -78,15 +78,18 @@ def _msort(ctx: LoweringContext, x: Value) -> Value:
 @lowers(aten.topk.default)
 def _topk(ctx: LoweringContext, x: Value, k: int, dim: int = -1, largest: bool = True,
           sorted: bool = True) -> tuple:
-    """The first ``k`` of a stable sort (unsorted topk returns them sorted too)."""
+    """The first ``k`` of a stable sort (unsorted topk returns them sorted too): a partial
+    selection (``argtopk``) when ``k`` is less than the axis, else the whole ``argsort``."""
     dim = _axis(x, dim)
     n = int(x.shape[dim]) if x.type.rank else 1
     state: dict[str, Value] = {}
 
     def indices() -> Value:
         if "i" not in state:
-            order = ctx.op("argsort", x, dim=dim, descending=bool(largest))
-            state["i"] = order if int(k) == n else ctx.op("slice", order, dim=dim, start=0, end=int(k))
+            if int(k) == n or x.type.rank == 0:  # 0-d: torch's k=0 and k=1 both give the 0-d result
+                state["i"] = ctx.op("argsort", x, dim=dim, descending=bool(largest))
+            else:
+                state["i"] = ctx.op("argtopk", x, k=int(k), dim=dim, largest=bool(largest))
         return state["i"]
 
     return (lambda: _gathered(ctx, x, indices(), dim), indices)

@@ -1,11 +1,12 @@
-"""Sorting, scans with an order and search: argsort, cumprod, cumarg (the indices of
-cummax/cummin) and searchsorted.
+"""Sorting, scans with an order and search: argsort, argtopk (the first ``k`` of argsort),
+cumprod, cumarg (the indices of cummax/cummin) and searchsorted.
 
 kiln ops have one result, so torch's two-result ops are built from an index op and a
-``gather``: ``sort``/``topk``/``kthvalue``/``median`` are ``argsort`` (then a slice or
-select) followed by ``gather`` of the values, ``cummax``/``cummin`` are ``cumarg`` followed by
-``gather``.  The values' gradient is therefore ``gather``'s: the cotangent scattered back to
-the selected positions.
+``gather``: ``sort``/``kthvalue``/``median`` are ``argsort`` (then a slice or select),
+``topk`` is ``argtopk`` (``argsort`` when ``k`` is the whole axis), each followed by
+``gather`` of the values; ``cummax``/``cummin`` are ``cumarg`` followed by ``gather``.  The
+values' gradient is therefore ``gather``'s: the cotangent scattered back to the selected
+positions.
 
 Orders follow torch exactly: ``argsort`` is stable (ties keep their input order, in both
 directions), NaN sorts above every number (last ascending, first descending), and
@@ -65,14 +66,10 @@ def _is_nan(v):
     return cmp("!=", v, v)
 
 
-@defcompute("argsort")
-def _argsort_compute(ctx, x, *, dim=-1, descending=False):
-    """By ranks, ``O(n^2)`` per row: ``rank[i]`` counts the elements ordered before ``x[i]``
-    (ties: those at smaller positions), then ``out[r]`` is the ``i`` whose rank is ``r``."""
-    if x.rank == 0:
-        return ctx.tensor((), DType.int64, lambda i: const(0, DType.int64))
+def _ranks(ctx, x, axis: int, descending: bool):
+    """``rank[i]``: the number of elements of ``x``'s row along ``axis`` ordered before
+    ``x[i]`` in the stable order (ties: those at smaller positions), ``O(n^2)`` per row."""
     t = x.dtype if x.dtype.is_floating else DType.int64
-    axis = normalize_dim(dim, x.rank)
     n = x.shape[axis]
 
     def at(p, k):
@@ -92,13 +89,64 @@ def _argsort_compute(ctx, x, *, dim=-1, descending=False):
         tie = cmp("&&", equal(u, v), cmp("<", r[0], p[axis]))
         return convert(cmp("||", first, tie), DType.bool, DType.int64)
 
-    rank = ctx.reduce(x.shape, DType.int64, "+", [n], before, "rank")
+    return ctx.reduce(x.shape, DType.int64, "+", [n], before, "rank")
 
+
+def _pick_ranks(ctx, rank, shape, axis: int, n):
+    """``out[.., r, ..]``: the position along ``axis`` whose rank is ``r``, for the ranks
+    ``0 .. shape[axis] - 1``."""
     def pick(p, r):
         src = (*p[:axis], r[0], *p[axis + 1:])
         return Select(cmp("==", rank[src], p[axis]), r[0], const(0, DType.int64))
 
-    return ctx.reduce(x.shape, DType.int64, "+", [n], pick, "order")
+    return ctx.reduce(shape, DType.int64, "+", [n], pick, "order")
+
+
+@defcompute("argsort")
+def _argsort_compute(ctx, x, *, dim=-1, descending=False):
+    """By ranks, ``O(n^2)`` per row: ``rank[i]`` counts the elements ordered before ``x[i]``
+    (ties: those at smaller positions), then ``out[r]`` is the ``i`` whose rank is ``r``."""
+    if x.rank == 0:
+        return ctx.tensor((), DType.int64, lambda i: const(0, DType.int64))
+    axis = normalize_dim(dim, x.rank)
+    rank = _ranks(ctx, x, axis, descending)
+    return _pick_ranks(ctx, rank, x.shape, axis, x.shape[axis])
+
+
+# ------------------------------------------------------------------------------ argtopk
+def _argtopk_infer(types, *, k, dim=-1, largest=True):
+    t = types[0]
+    if t.rank == 0:
+        raise ValueError("argtopk needs at least a 1-d tensor (a 0-d topk is argsort's)")
+    axis = normalize_dim(dim, t.rank)
+    n = t.shape[axis]
+    if k < 0 or (isinstance(n, int) and k > n):
+        raise ValueError(f"argtopk k={k} is out of range for an axis of {n} elements")
+    return t.with_shape(t.shape[:axis] + (k,) + t.shape[axis + 1:]).with_dtype(DType.int64)
+
+
+@defop("argtopk", infer=_argtopk_infer,
+       attrs={"k": Attr("int"), "dim": Attr("int", -1), "largest": Attr("bool", True)})
+def argtopk(x, *, k, dim=-1, largest=True):
+    """Positions of the ``k`` largest (``largest``) or smallest elements along ``dim``, in
+    order: exactly the first ``k`` of ``argsort(x, dim, descending=largest)`` (ties in
+    input order, NaN the largest value)."""
+    axis = normalize_dim(dim, x.ndim)
+    order = stable_argsort(x, axis, largest)
+    return np.take(order, np.arange(k), axis=axis).astype(np.int64)
+
+
+defvjp("argtopk")(nondifferentiable)
+
+
+@defcompute("argtopk")
+def _argtopk_compute(ctx, x, *, k, dim=-1, largest=True):
+    """``argsort``'s ranks, picked for the ranks below ``k`` only (``O(n^2)`` per row to
+    rank, ``O(n k)`` to pick)."""
+    axis = normalize_dim(dim, x.rank)
+    rank = _ranks(ctx, x, axis, largest)
+    shape = (*x.shape[:axis], k, *x.shape[axis + 1:])
+    return _pick_ranks(ctx, rank, shape, axis, x.shape[axis])
 
 
 # ------------------------------------------------------------------------------ cumprod
