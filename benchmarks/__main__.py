@@ -48,7 +48,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="output folder for results.md/.json/.png (default: benchmarks/results)")
     parser.add_argument("--train", action="store_true",
                         help="time whole training steps (forward, loss, backward, AdamW) instead of inference: "
-                             "models mlp, gpt2; systems eager, inductor, kiln, kiln-remat, kiln-unfused, "
+                             "models mlp, gpt2 (and the seed workloads: 'seeds', seed-*); systems eager, inductor, kiln, "
+                             "kiln-remat, kiln-unfused, "
                              "kiln-unfused-remat, kiln-cpu; output in OUT/train")
     parser.add_argument("--no-plot", action="store_true", help="skip the PNG plot")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")

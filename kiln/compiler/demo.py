@@ -7,7 +7,8 @@ absolute and relative error) and times both, interleaved (the median over ``--ru
 calls of each, taken in alternating rounds so that other load hits both alike).  The
 verdict of each row ("faster", "slower", "about the same") comes from those timings only.
 The models are chosen to be representative, not flattering: kiln wins on some and not yet
-on others (the router: ``topk`` runs as a full sort), and the table says which.
+on others (the router, whose work is too small for kiln's per-call costs), and the table
+says which.
 The default backend is the native ``cpu`` backend (generated C with OpenMP and library
 GEMMs); ``--backend reference`` runs the numpy reference executor, which is built to be
 obviously correct, not fast.
@@ -110,8 +111,9 @@ NOTES = {
     "mlp": "GEMMs on kiln's tuned micro-kernel, bias and GELU fused into one pass",
     "transformer block": "fused elementwise/normalization kernels around the GEMMs",
     "conv net": "kiln's depthwise and 1x1 kernels vs oneDNN, chosen per shape; batch norm and hardswish "
-                "in one epilogue pass each (not yet folded into the weights)",
-    "moe router": "top-k runs as a full argsort plus a gather (no top-k kernel yet)",
+                "in one epilogue pass each (results this small do not fold the norm into the weights)",
+    "moe router": "top-2 of 64 as a partial selection (a torch.topk library call) beside the softmax kernel; "
+                  "at this size the calls' overhead dominates",
 }
 """What each demo model exercises in kiln (the verdict itself is measured)."""
 
