@@ -353,3 +353,28 @@ def test_models_forward(name, one_torch_thread):
 def test_models_gradients(name, one_torch_thread):
     model, x = _model(name)
     check_grads(model, x)
+
+
+@pytest.mark.parametrize("fn, shape, kw", [
+    (torch.nn.functional.max_pool2d, (2, 3, 8, 9), dict(kernel_size=2)),
+    (torch.nn.functional.max_pool2d, (1, 2, 7, 7), dict(kernel_size=3, ceil_mode=True)),
+    (torch.nn.functional.max_pool3d, (2, 2, 6, 5, 7), dict(kernel_size=2)),
+    (torch.nn.functional.max_pool2d, (1, 1, 6, 6), dict(kernel_size=(1, 2), stride=(1, 2))),
+])
+@pytest.mark.parametrize("ties", [False, True])
+def test_max_pool_gradient_of_tiling_windows_on_the_cpu_backend(fn, shape, kw, ties):
+    """stride = kernel, no padding: the backward is one select per input element (each
+    position belongs to one window); ties go to the window's first maximum, as in torch."""
+    gen = torch.Generator().manual_seed(len(shape))
+    x = torch.randn(shape, generator=gen)
+    x = (x.round() if ties else x).requires_grad_(True)
+
+    class Pool(torch.nn.Module):
+        def forward(self, x):
+            return fn(x, **kw)
+
+    compiled = kiln.compile(Pool(), (x,), backend="cpu", strict=True)
+    weight = torch.randn(Pool()(x).shape, generator=gen)
+    got, = torch.autograd.grad((compiled(x) * weight).sum(), x)
+    want, = torch.autograd.grad((Pool()(x) * weight).sum(), x)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
