@@ -562,21 +562,14 @@ def _max_pool_backward_compute(ctx, g, x, *, kernel, stride, padding=(0, 0), dil
     radix = _tap_radix(axes)
 
     if all(s == k and p == 0 and d == 1 for _, k, s, p, d, _ in axes):
-        # Windows that tile the input (stride = kernel, no padding): position h is tap
-        # h % k of window h / k only, so the sum over windows is one select per element.
-        def element(i):
-            windows, conds, flat = [], [], None
-            for a, (_, k, _, _, _, out) in enumerate(axes):
-                h = i[len(i) - n + a]
-                windows.append(floordiv(h, k) if k > 1 else h)
-                tap = floormod(h, k) if k > 1 else const(0, DType.int64)
-                conds.append(cmp("<", h, out * k))  # past the last window (floor mode)
-                term = tap * radix[a] if radix[a] != 1 else tap
-                flat = term if flat is None else flat + term
-            window = (*i[:-n], *windows)
+        def element(i):  # tiling windows: h is tap h % k of window h / k only, one select
+            hs = i[len(i) - n:]
+            conds = [cmp("<", h, a[5] * a[1]) for h, a in zip(hs, axes)]  # past the last window
+            window = (*i[:-n], *(floordiv(h, a[1]) if a[1] > 1 else h for h, a in zip(hs, axes)))
+            flat = sum(((floormod(h, a[1]) if a[1] > 1 else const(0, DType.int64)) * r
+                        for h, a, r in zip(hs, axes, radix)), const(0, DType.int64))
             conds.append(cmp("==", first[window], simplify_index(flat)))
             return select(all_of(conds), g.at(window, t), const(0, t))
-
         return ctx.convert(ctx.tensor(x.shape, t, element), g.dtype)
 
     def body(i, r):
