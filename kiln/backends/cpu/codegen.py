@@ -271,19 +271,21 @@ class KernelPrinter(HalfAsFloat, CStylePrinter):
                 if worth(e) and e not in found:
                     dtype = self.dtype(e)
                     name = f"inv{len(found)}_{self._n_hoisted}"
-                    ctype = "float" if dtype in HALF_TYPES else self.type_name(dtype)
-                    self.lines.append(f"{ind}const {ctype} {name} = {self.expr(e)};")
+                    self.lines.append(f"{ind}const {self._value_type(dtype)} {name} = {self.expr(e)};")
                     found[e] = name
                 return
             for child in e.children():
                 visit(child)
 
         self._n_hoisted += 1
-        self._hoisted = {}
+        self._hoisted = found  # a later invariant prints the earlier ones inside it by name
         for statement in _statements((n,)):
             visit(statement.value)
-            self._hoisted = dict(found)  # later invariants may use earlier ones
         return found
+
+    def _value_type(self, dtype: DType) -> str:
+        """The C type a value of ``dtype`` is computed in (``float`` for the half types)."""
+        return "float" if dtype in HALF_TYPES else self.type_name(dtype)
 
     def _expr(self, e: Expr) -> tuple[str, int]:
         name = self._hoisted.get(e) if self._hoisted else None
@@ -367,9 +369,8 @@ class KernelPrinter(HalfAsFloat, CStylePrinter):
             acc = f"acc{self._n_accs}"
             self._n_accs += 1
             names.append(acc)
-            dtype = self.buf_dtypes[buffer]  # half cells accumulate in float
-            self.lines.append(f"{inner}{'float' if dtype in HALF_TYPES else self.type_name(dtype)} {acc} = "
-                              f"{self.load_text(buffer, indices)};")
+            self.lines.append(f"{inner}{self._value_type(self.buf_dtypes[buffer])} {acc} = "
+                              f"{self.load_text(buffer, indices)};")  # half cells accumulate in float
             self._accs[(buffer, indices)] = acc
         pragma = None
         work = nest_work((n,))

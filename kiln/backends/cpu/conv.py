@@ -46,6 +46,7 @@ from kiln.backends.common.library import LibraryCall
 from kiln.ir import Node
 
 from . import microgemm
+from .packed_conv import version_key
 from .standalone import KernelChooser, load_library, pointer, threads
 
 SOURCE = microgemm.SOURCE + r"""
@@ -344,16 +345,14 @@ class KilnConv2d:
         self.kind = kernel_kind
         self.stride, self.padding, self.dilation, self.groups = tuple(stride), tuple(padding), tuple(dilation), groups
         self._gemm, self._dw = kernels
-        self._packed: tuple[int, int, torch.Tensor] | None = None
+        self._packed: tuple[tuple | None, torch.Tensor] | None = None
         self._lock = threading.Lock()
 
     def _weight(self, w: torch.Tensor) -> torch.Tensor:
-        key = (w.data_ptr(), -1 if w.is_inference() else w._version)
+        key = version_key([w])  # None for an inference tensor: never reuse its packing
         packed = self._packed
-        if key[1] < 0:  # an inference tensor has no version counter: never reuse its packing
-            packed = None
-        if packed is not None and packed[:2] == key:
-            return packed[2]
+        if packed is not None and key is not None and packed[0] == key:
+            return packed[1]
         with self._lock:
             w = w.detach()
             if self.kind == "gemm":
@@ -363,7 +362,7 @@ class KilnConv2d:
                 microgemm.pack_panels(b, weight)
             else:
                 weight = w[:, 0].permute(1, 2, 0).contiguous()  # [KH][KW][C]
-            self._packed = (*key, weight)
+            self._packed = (key, weight)
         return weight
 
     def __call__(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:

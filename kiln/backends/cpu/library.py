@@ -103,10 +103,6 @@ def conv_call(node: Node, persistent: Sequence[bool] = (), post: str = "none") -
     return LibraryCall(convolution, False, f"torch.nn.functional.conv{spatial}d")
 
 
-def _conv(node: Node, persistent: Sequence[bool] = ()) -> LibraryCall:
-    return conv_call(node, persistent)
-
-
 _CONV_TRANSPOSE = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
 
 
@@ -248,7 +244,7 @@ def _collective(node: Node, persistent: Sequence[bool] = ()) -> LibraryCall:
 
 LIBRARY: dict[str, Callable[[Node, Sequence[bool]], LibraryCall]] = {
     "matmul": _matmul,
-    "conv": _conv,
+    "conv": conv_call,
     "conv_transpose": _conv_transpose,
     "scaled_dot_product_attention": attention_call,  # kiln's fused kernel or _sdpa, by measurement
     "embedding": _embedding,

@@ -65,6 +65,10 @@ SOURCE = r"""
 #define KMG_NR 16
 #define KMG_KC 256
 #define KMG_MC 96
+/* fn1(...) .. fn6(...) by the row count of a tile (6: the full micro-panel) */
+#define KMG_BY_ROWS(fn, rows, ...) switch (rows) { \
+    case 1: fn##1(__VA_ARGS__); break; case 2: fn##2(__VA_ARGS__); break; case 3: fn##3(__VA_ARGS__); break; \
+    case 4: fn##4(__VA_ARGS__); break; case 5: fn##5(__VA_ARGS__); break; default: fn##6(__VA_ARGS__); break; }
 #ifdef KMG_AVX512
 #define KMG_STEP 2
 #else
@@ -126,27 +130,13 @@ static inline void kmg_pair##R(long kc, const float *ap, const float *bp, const 
 }
 KMG_TILE(1) KMG_TILE(2) KMG_TILE(3) KMG_TILE(4) KMG_TILE(5) KMG_TILE(6)
 static inline void kmg_tile(long rows, long kc, const float *ap, const float *bp, float *c, long ldc, int acc) {
-  switch (rows) {
-    case 1: kmg_tile1(kc, ap, bp, c, ldc, acc); break;
-    case 2: kmg_tile2(kc, ap, bp, c, ldc, acc); break;
-    case 3: kmg_tile3(kc, ap, bp, c, ldc, acc); break;
-    case 4: kmg_tile4(kc, ap, bp, c, ldc, acc); break;
-    case 5: kmg_tile5(kc, ap, bp, c, ldc, acc); break;
-    default: kmg_tile6(kc, ap, bp, c, ldc, acc); break;
-  }
+  KMG_BY_ROWS(kmg_tile, rows, kc, ap, bp, c, ldc, acc)
 }
 #define KMG_PAIRS 1
 /* c[rows][32] (+)= Ap @ [Bp | Bq]: two adjacent full panels at once */
 static inline void kmg_pair(long rows, long kc, const float *ap, const float *bp, const float *bq, float *c,
                             long ldc, int acc) {
-  switch (rows) {
-    case 1: kmg_pair1(kc, ap, bp, bq, c, ldc, acc); break;
-    case 2: kmg_pair2(kc, ap, bp, bq, c, ldc, acc); break;
-    case 3: kmg_pair3(kc, ap, bp, bq, c, ldc, acc); break;
-    case 4: kmg_pair4(kc, ap, bp, bq, c, ldc, acc); break;
-    case 5: kmg_pair5(kc, ap, bp, bq, c, ldc, acc); break;
-    default: kmg_pair6(kc, ap, bp, bq, c, ldc, acc); break;
-  }
+  KMG_BY_ROWS(kmg_pair, rows, kc, ap, bp, bq, c, ldc, acc)
 }
 #elif defined(KMG_AVX2)
 #define KMG_DECL(r) __m256 c##r##0 = _mm256_setzero_ps(), c##r##1 = _mm256_setzero_ps();
@@ -175,14 +165,7 @@ static inline void kmg_tile##R(long kc, const float *ap, const float *bp, float 
 }
 KMG_TILE(1) KMG_TILE(2) KMG_TILE(3) KMG_TILE(4) KMG_TILE(5) KMG_TILE(6)
 static inline void kmg_tile(long rows, long kc, const float *ap, const float *bp, float *c, long ldc, int acc) {
-  switch (rows) {
-    case 1: kmg_tile1(kc, ap, bp, c, ldc, acc); break;
-    case 2: kmg_tile2(kc, ap, bp, c, ldc, acc); break;
-    case 3: kmg_tile3(kc, ap, bp, c, ldc, acc); break;
-    case 4: kmg_tile4(kc, ap, bp, c, ldc, acc); break;
-    case 5: kmg_tile5(kc, ap, bp, c, ldc, acc); break;
-    default: kmg_tile6(kc, ap, bp, c, ldc, acc); break;
-  }
+  KMG_BY_ROWS(kmg_tile, rows, kc, ap, bp, c, ldc, acc)
 }
 #else
 /* c[rows][16] (row stride ldc) (+)= Ap[kc][6] @ Bp[kc][16], rows 0..rows-1 */

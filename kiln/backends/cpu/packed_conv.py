@@ -10,9 +10,11 @@
   folded weight ``w * gamma / sqrt(var + eps)`` (per output channel) and bias
   ``(b - mean) * gamma / sqrt(var + eps) + beta``.
 
-Both read parameters live, as kiln promises: the prepared copies are keyed by the storage
-address and version counter of every tensor they were made from, so an in-place update (an
-optimizer step, ``load_state_dict``) or a new tensor is seen at the next call.
+Both read parameters live, as kiln promises: a prepared copy is made again when a tensor it
+was made from is another tensor (another storage address, for ``PackedConv``) or has a new
+version counter, so an in-place update (an optimizer step, ``load_state_dict``) or a new
+tensor is seen at the next call; inference tensors, which have no version counter, are
+prepared at every call.
 """
 
 from __future__ import annotations
@@ -35,12 +37,20 @@ def packed_conv_available(spatial: int) -> bool:
             and hasattr(torch._C._nn, _REORDER[spatial]) and hasattr(torch.ops.mkldnn, "_convolution_pointwise"))
 
 
-def _key(tensors: Sequence[torch.Tensor | None]) -> tuple | None:
+def version_key(tensors: Sequence[torch.Tensor | None]) -> tuple | None:
     """What identifies the contents of ``tensors``: storage addresses and version counters;
     ``None`` (never reused) when one is an inference tensor, which has no version counter."""
     if any(t is not None and t.is_inference() for t in tensors):
         return None
     return tuple((t.data_ptr(), t._version) if t is not None else None for t in tensors)
+
+
+def _versions(tensors: Sequence[torch.Tensor | None]) -> tuple | None:
+    """The version counters of ``tensors``; ``None`` when one is an inference tensor."""
+    try:
+        return tuple(t._version for t in tensors if t is not None)
+    except RuntimeError:
+        return None
 
 
 class PackedConv:
@@ -59,7 +69,7 @@ class PackedConv:
         self._lock = threading.Lock()
 
     def _weight(self, w: torch.Tensor) -> torch.Tensor:
-        key = _key([w])
+        key = version_key([w])
         packed = self._packed
         if packed is not None and key is not None and packed[0] == key:
             return packed[1]
@@ -93,28 +103,21 @@ class BatchNormFolded:
         """The folded weight and bias, made again only when one of the tensors changed."""
         tensors = (w, b, gamma, beta, mean, var)
         found = self._folded
-        if found is not None:  # the common case, checked cheaply: the same tensors, unchanged
-            sources, versions = found[0]
-            try:
-                if all(t is u for t, u in zip(tensors, sources)) and versions == tuple(
-                        t._version for t in tensors if t is not None):
-                    return found[1], found[2]
-            except RuntimeError:  # an inference tensor has no version counter: fold again
-                pass
+        versions = _versions(tensors)
+        if found is not None and versions is not None:  # cheaply: the same tensors, unchanged
+            sources, known = found[0]
+            if known == versions and all(t is u for t, u in zip(tensors, sources)):
+                return found[1], found[2]
         # made outside inference mode, so that the folded weight has a version counter and a
         # packed copy of it can be reused
         with self._lock, torch.inference_mode(False), torch.no_grad():
             scale = gamma.float() * torch.rsqrt(var.float() + self.eps)
             weight = (w * scale.reshape(-1, *([1] * (w.dim() - 1)))).contiguous()
             shift = beta.float() - mean.float() * scale
-            bias = shift if b is None else b * scale + shift
-            try:
-                versions = tuple(t._version for t in tensors if t is not None)
-            except RuntimeError:
-                versions = None  # never equal: folded at every call
+            bias = (shift if b is None else b * scale + shift).contiguous()
             # the tensors are kept, so a new tensor cannot take the address and version of a
             # freed one unnoticed
-            self._folded = ((tensors, versions), weight, bias.contiguous())
+            self._folded = ((tensors, versions), weight, bias)
         return weight, bias
 
     def __call__(self, x: torch.Tensor, w: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor:
@@ -123,4 +126,4 @@ class BatchNormFolded:
         return self.conv(x, weight, bias)
 
 
-__all__ = ["POST_OPS", "BatchNormFolded", "PackedConv", "packed_conv_available"]
+__all__ = ["POST_OPS", "BatchNormFolded", "PackedConv", "packed_conv_available", "version_key"]
