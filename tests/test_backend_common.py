@@ -242,6 +242,19 @@ def test_a_call_plan_on_another_device_allocates_and_keeps_constants_there():
     assert plan.workspace().arena.device.type == "meta" and len(allocator.shapes) == 3
 
 
+def test_a_fresh_output_is_written_into_the_callers_tensor_when_it_fits():
+    plan = small_plan(HOST, torch.ones(3))
+    x = torch.arange(3.0)
+    mine = torch.full((3,), float("nan"))
+    (out,) = plan([x], out={0: mine})
+    assert out is mine
+    torch.testing.assert_close(mine, (x + 1) ** 2)
+    for wrong in (torch.empty(4), torch.empty(3, dtype=torch.float64), torch.empty(6)[::2]):
+        (out,) = plan([x], out={0: wrong})  # another shape, dtype or a strided view: a fresh tensor
+        assert out is not wrong
+        torch.testing.assert_close(out, (x + 1) ** 2)
+
+
 def test_native_kernels_run_through_the_plans_launcher():
     launcher = PythonLauncher([torch.add, torch.exp])
     plan = CallPlan(num_slots=4, num_args=2, constants={}, planned=[SlotSpec(2, (2,), torch.float32, offset=0),

@@ -45,7 +45,9 @@ class BackendError(KilnError):
 
 
 class Executable(Protocol):
-    """What :meth:`Backend.build` returns."""
+    """What :meth:`Backend.build` returns.  An executable may also take ``out`` (output
+    position -> tensor) and write those outputs into the caller's tensors
+    (:class:`kiln.backends.common.build.CompiledExecutable`); callers check the signature."""
 
     def __call__(self, args: Sequence[torch.Tensor]) -> list[torch.Tensor]: ...
 

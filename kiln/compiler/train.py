@@ -17,10 +17,16 @@ its fusion), and the backend builds the result.
 
 Guarantees of the returned :class:`TrainStep`:
 
-* ``step(*inputs, *targets)`` returns the loss (a float32 0-d tensor) and updates, in place
-  (``copy_``), every parameter of the optimizer that the loss depends on, and its optimizer
-  state, kept in ``optimizer.state`` in PyTorch's own format (``momentum_buffer``;
-  ``step``/``exp_avg``/``exp_avg_sq``).  Eager ``optimizer.step()`` calls can be mixed with
+* ``step(*inputs, *targets)`` returns the loss (a float32 0-d tensor) and updates, in place,
+  every parameter of the optimizer that the loss depends on, and its optimizer state, kept in
+  ``optimizer.state`` in PyTorch's own format (``momentum_buffer``;
+  ``step``/``exp_avg``/``exp_avg_sq``): the tensor objects stay the same.  Where the backend
+  writes outputs into given tensors (the compiled backends) and no other tensor shares a
+  parameter's or state's storage (no view, ``.data``, ``.detach()`` or tie kept alive
+  elsewhere), the step writes the new values into a second buffer and swaps the storages
+  (``set_``): no copy, and the storage alternates between two buffers, so ``data_ptr()``
+  changes from step to step.  Otherwise the new values are copied in (``copy_``), and views
+  follow them as in eager.  Eager ``optimizer.step()`` calls can be mixed with
   kiln steps: both continue the same trajectory.  Parameters the loss does not depend on are
   left alone, as PyTorch leaves params whose ``.grad`` is ``None``.  ``.grad`` is not set.
 * Hyperparameters (``lr``, ``momentum``, ``dampening``, ``weight_decay``, ``betas``,
@@ -63,8 +69,7 @@ from typing import Any
 import torch
 
 from kiln.backends import DEFAULT_BACKEND, Backend, get_backend
-from kiln.ir import DType, Graph, KilnError, TensorType, Value
-from kiln.ir.ops.vjp import is_nondifferentiable
+from kiln.ir import DType, Graph, KilnError, TensorType
 from kiln.passes.amp import (
     AutoMixedPrecision,
     LossScaler,
@@ -77,11 +82,13 @@ from kiln.passes.optim import GroupSpec, UpdateLayout, append_optimizer
 from kiln.passes.remat import rematerialize
 from kiln.ir.sizes import SizeError, bind_sizes, is_dynamic
 from kiln.runtime import InputMismatchError, tensor_type
-from kiln.runtime.module import BUFFER_UPDATE_PREFIX, StateBinding, buffer_updates
+from kiln.runtime.tensors import sole_owner
+from kiln.runtime.module import StateBinding, buffer_updates
 
 from kiln.frontends.options import CacheSwitch
 from kiln.frontends.torch import capture as capture_mod
 from .api import as_args, resolve_passes
+from .train_graph import check_loss, count_targets, merge_tied_params, params_reaching_loss, readable_names
 
 SUPPORTED_OPTIMIZERS = ("torch.optim.SGD", "torch.optim.Adam", "torch.optim.AdamW")
 
@@ -134,7 +141,7 @@ def compile_train(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor],
     """
     kind = _optimizer_kind(optimizer)
     args = as_args(example_inputs)
-    targets = _count_targets(loss_fn) if num_targets is None else num_targets
+    targets = count_targets(loss_fn) if num_targets is None else num_targets
     if not 0 <= targets <= len(args):
         raise KilnError(f"kiln.compile_train: num_targets={targets} but example_inputs has "
                         f"{len(args)} entries (model inputs followed by targets)")
@@ -151,10 +158,10 @@ def compile_train(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor],
         dynamic_shapes = (tuple(dynamic_shapes),)  # the wrapper takes them as one *args
     captured = capture_mod.capture_program(capture_mod.export_program(wrapper, args, dynamic_shapes=dynamic_shapes),
                                            name=type(model).__name__ + "_train")
-    graph, live = _readable_names(captured.graph, captured.params, captured.input_positions,
+    graph, live = readable_names(captured.graph, captured.params, captured.input_positions,
                                   len(args) - targets)
-    graph, live = _merge_tied_params(graph, live)
-    aux = _check_loss(graph)
+    graph, live = merge_tied_params(graph, live)
+    aux = check_loss(graph)
     if low is not None:
         graph = AutoMixedPrecision(low.short).run(graph).graph
     if scaler is None and low == DType.float16:
@@ -205,7 +212,7 @@ class TrainStep:
         self._positions = list(input_positions)
         self._example = example_args
         self._name_of = {id(t): name for name, t in live.items()}
-        self._trainable = _params_reaching_loss(forward)
+        self._trainable = params_reaching_loss(forward)
         state = StateBinding(forward, [live[v.name] for v in forward.params])
         if len(state.updates) != len(buffer_updates(forward)):
             raise KilnError(f"kiln internal error: buffer updates {buffer_updates(forward)} of the "
@@ -218,6 +225,9 @@ class TrainStep:
         self._executable: Any = None
         self._plan: list[tuple[str, Any]] = []
         self._skip_output: int | None = None
+        self._spare: dict[int, torch.Tensor] = {}
+        """Output index -> the buffer the next step writes that output into (see _store)."""
+        self._writes_into = False
         self._calls = 0
         self.builds = 0
         """How many times the step graph was built (1, plus one per structural change)."""
@@ -238,7 +248,10 @@ class TrainStep:
         if self.state is not None:
             self.state.before()  # a new dropout seed per step, from torch's generator
         with torch.no_grad():
-            outputs = self._executable([*feeds, *params])
+            if self._spare:
+                outputs = self._executable([*feeds, *params], out=self._spare)
+            else:
+                outputs = self._executable([*feeds, *params])
         self._calls += 1
         if self.state is not None:
             # the forward ran, so the running statistics move even on a skipped step (as
@@ -336,7 +349,12 @@ class TrainStep:
         self.graph, self.layout = step_graph, layout
         self._skip_output = layout.kept.get(skip) if skip is not None else None
         self._plan = self._input_plan(step_graph, layout, scale_name)
-        self._executable = self.backend.build(step_graph, self.options)
+        options = self.options
+        if "updated_params" in self.backend.option_defaults:  # the step writes them: no packed copies
+            options = {**options, "updated_params": tuple(layout.params)}
+        self._executable = self.backend.build(step_graph, options)
+        self._writes_into = "out" in inspect.signature(self._executable).parameters
+        self._spare = {}
         self.builds += 1
 
     def _input_plan(self, graph: Graph, layout: UpdateLayout, scale_name: str | None
@@ -381,14 +399,29 @@ class TrainStep:
     def _write_back(self, outputs: list[torch.Tensor]) -> None:
         with torch.no_grad():
             for name, index in self.layout.params.items():
-                self.live[name].copy_(outputs[index])
+                self._store(self.live[name], outputs, index)
             for slot in self.layout.states:
                 state = self.optimizer.state[self.live[slot.param]]
                 current = state.get(slot.key)
                 if current is None:
                     state[slot.key] = _fresh_state(slot.key, outputs[slot.output], self.live[slot.param])
                 else:
-                    current.copy_(outputs[slot.output])
+                    self._store(current, outputs, slot.output)
+
+    def _store(self, target: torch.Tensor, outputs: list[torch.Tensor], index: int) -> None:
+        """``target`` takes output ``index``'s values: by swapping storages with the step's
+        spare buffer when the backend wrote into it and ``target`` owns its storage alone
+        (its old storage becomes the next spare), else by a copy."""
+        value = outputs[index]
+        swap = value is self._spare.get(index) and sole_owner(target)
+        if swap:
+            old = target.detach()
+            target.set_(value)
+            self._spare[index] = old
+        else:
+            target.copy_(value)
+            if self._writes_into and target.dim() and sole_owner(target):
+                self._spare[index] = torch.empty_like(target, memory_format=torch.contiguous_format)
 
     # ------------------------------------------------------------- inspection
     @property
@@ -484,104 +517,6 @@ def _type_of(value: torch.Tensor) -> TensorType | None:
         return tensor_type(value)
     except TypeError:
         return None
-
-
-def _count_targets(loss_fn: Callable[..., Any]) -> int:
-    """Required positional parameters of ``loss_fn`` after the model output (default 1)."""
-    fn = loss_fn.forward if isinstance(loss_fn, torch.nn.Module) else loss_fn
-    try:
-        params = inspect.signature(fn).parameters.values()
-    except (TypeError, ValueError):
-        return 1
-    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    if any(p.kind == p.VAR_POSITIONAL for p in params):
-        return 1
-    required = [p for p in positional if p.default is p.empty]
-    return max(len(required) - 1, 0)
-
-
-def _check_loss(graph: Graph) -> int:
-    """The captured step returns the loss, its auxiliary outputs, then only buffer updates
-    (train-mode batch norm's running statistics: :func:`kiln.runtime.module.buffer_updates`).
-    Returns the number of auxiliary outputs."""
-    user = graph.outputs[: len(graph.outputs) - len(buffer_updates(graph))]
-    if not user or user[0].type.rank != 0 or not user[0].dtype.is_floating:
-        got = ", ".join(str(v.type) for v in user) or "nothing"
-        raise KilnError(f"kiln.compile_train: loss_fn must return a floating-point scalar tensor "
-                        f"(or a tuple (loss, *aux) starting with one), but the captured step returns "
-                        f"{got}; reduce the loss with .mean() or .sum()")
-    return len(user) - 1
-
-
-def _readable_names(graph: Graph, params: dict[str, torch.Tensor], positions: Sequence[int],
-                    num_inputs: int) -> tuple[Graph, dict[str, torch.Tensor]]:
-    """The captured step with the model's own parameter names (``fc1.weight``, not
-    ``model.fc1.weight``) and inputs named ``input<i>`` / ``target<j>``."""
-    taken = {v.name for v in graph.values()}
-    renames: dict[str, str] = {}
-    for position, v in zip(positions, graph.inputs):
-        renames[v.name] = f"input{position}" if position < num_inputs else f"target{position - num_inputs}"
-    for v in graph.params:
-        if v.name.startswith("model."):
-            renames[v.name] = v.name[len("model."):]
-    for _, param in buffer_updates(graph):  # buffer_update.model.bn.running_mean -> ...bn.running_mean
-        if param in renames:
-            renames[BUFFER_UPDATE_PREFIX + param] = BUFFER_UPDATE_PREFIX + renames[param]
-    if set(renames.values()) & (taken - set(renames)):
-        return graph, dict(params)  # a clash: keep the captured names
-    out = Graph(graph.name)
-    out.sizes = dict(graph.sizes)
-    env: dict[Value, Value] = {}
-    for v in graph.inputs:
-        env[v] = out.add_input(renames.get(v.name, v.name), v.type)
-    for v in graph.params:
-        env[v] = out.add_param(renames.get(v.name, v.name), v.type)
-    for c in graph.constants:
-        env[c] = out.add_constant(c.data, c.dtype, c.name, dedup=False)
-    for node in graph.nodes:
-        copy = out.add_node(node.op, [env[v] for v in node.inputs], node.attrs,
-                            names=[renames.get(v.name, v.name) for v in node.outputs], loc=node.loc)
-        env.update(zip(node.outputs, copy.outputs))
-    out.set_outputs([env[v] for v in graph.outputs])
-    return out, {renames.get(name, name): tensor for name, tensor in params.items()}
-
-
-def _merge_tied_params(graph: Graph, params: dict[str, torch.Tensor]
-                       ) -> tuple[Graph, dict[str, torch.Tensor]]:
-    """One graph param per live tensor: params bound to the same tensor (tied weights such as
-    GPT-2's ``lm_head``/``wte``) are merged into the first, so their gradients add up."""
-    first: dict[int, Value] = {}
-    duplicates: list[tuple[Value, Value]] = []
-    for v in graph.params:
-        tensor = params[v.name]
-        if id(tensor) in first:
-            duplicates.append((v, first[id(tensor)]))
-        else:
-            first[id(tensor)] = v
-    if not duplicates:
-        return graph, dict(params)
-    g, vmap = graph.clone_with_map()
-    for dup, keep in duplicates:
-        g.replace_all_uses(vmap[dup], vmap[keep])
-        g.params.remove(vmap[dup])
-    live = {v.name: params[v.name] for v in g.params}
-    return g, live
-
-
-def _params_reaching_loss(graph: Graph) -> set[str]:
-    """Float params the loss (output 0) depends on through differentiable ops -- the params
-    PyTorch's autograd would give a ``.grad``."""
-    reached: dict[Value, set[str]] = {p: {p.name} for p in graph.params if p.dtype.is_floating}
-    for node in graph.nodes:
-        if is_nondifferentiable(node.op.vjp):
-            continue
-        sources = set().union(*(reached.get(v, set()) for v in node.inputs))
-        if not sources:
-            continue
-        for v in node.outputs:
-            if v.dtype.is_floating:
-                reached[v] = sources
-    return set(reached.get(graph.outputs[0], set()))
 
 
 __all__ = ["SUPPORTED_OPTIMIZERS", "TrainStep", "compile_train"]

@@ -34,7 +34,10 @@ buffers.  Each thread pays for its own arena.
 
 Per call, the plan copies the slot template, stores the arguments, allocates the graph
 outputs that steps write into (fresh tensors: outputs escape to the caller), and runs one
-loop over the bound records.  Nothing else is proportional to the graph size.
+loop over the bound records.  Nothing else is proportional to the graph size.  A caller
+may pass ``out`` (output position -> tensor): such an output, when it is a fresh buffer of
+that shape and dtype, is written into the caller's tensor instead (the caller sees which
+outputs came back as its own tensors; they must not share memory with the arguments).
 
 With ``poison=True`` (a testing aid) the arena and every fresh output are filled with
 ``0xFF`` bytes (NaN for floats) before each call, so reading memory before writing it
@@ -356,12 +359,14 @@ class CallPlan:
         self.poison = poison
         self.allocator = allocator
         self.device = allocator.device
+        self._device_type = torch.device(self.device).type
         self.num_slots = num_slots
         self.num_args = num_args
         self.constants = {slot: t.to(self.device) for slot, t in constants.items()}
         self.arena_specs = [s for s in planned if s.offset is not None]
         self.persistent_specs = [s for s in planned if s.persistent]
         self.fresh_specs = [(s.slot, s.shape, s.dtype) for s in planned if s.offset is None and not s.persistent]
+        self._fresh = {slot: (shape, dtype) for slot, shape, dtype in self.fresh_specs}
         self.arena_bytes = arena_bytes
         self.steps = list(steps)
         self.outputs = list(outputs)
@@ -429,21 +434,40 @@ class CallPlan:
             slots[slot] = empty(shape, dtype)
         return slots
 
-    def __call__(self, args: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        return self.run_in(self.workspace(), args, self.poison)
+    def __call__(self, args: Sequence[torch.Tensor], out: dict[int, torch.Tensor] | None = None) -> list[torch.Tensor]:
+        return self.run_in(self.workspace(), args, self.poison, out)
 
-    def run_in(self, ws: Workspace, args: Sequence[torch.Tensor], poison: bool) -> list[torch.Tensor]:
-        """One call in workspace ``ws`` (the per-call path: :meth:`_slots`, inline)."""
+    def run_in(self, ws: Workspace, args: Sequence[torch.Tensor], poison: bool,
+               out: dict[int, torch.Tensor] | None = None) -> list[torch.Tensor]:
+        """One call in workspace ``ws`` (the per-call path: :meth:`_slots`, inline); ``out``
+        as in the module docstring."""
         slots = ws.template.copy()
         slots[: self.num_args] = args
         empty = self._empty
-        for slot, shape, dtype in self.fresh_specs:
-            slots[slot] = empty(shape, dtype)
+        if out:
+            given = self._given(out)
+            for slot, shape, dtype in self.fresh_specs:
+                tensor = given.get(slot)
+                slots[slot] = tensor if tensor is not None else empty(shape, dtype)
+        else:
+            for slot, shape, dtype in self.fresh_specs:
+                slots[slot] = empty(shape, dtype)
         if poison:
             self._poison(ws, slots)
         for call in ws.calls:
             call(slots)
         return [slots[i] for i in self.outputs]
+
+    def _given(self, out: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+        """The caller's tensors that fresh output slots can be written into: contiguous, on the
+        plan's device, of the slot's shape and dtype."""
+        given = {}
+        for position, tensor in out.items():
+            slot = self.outputs[position]
+            if (self._fresh.get(slot) == (tuple(tensor.shape), tensor.dtype) and tensor.is_contiguous()
+                    and tensor.device.type == self._device_type):
+                given[slot] = tensor
+        return given
 
     def profile(self, args: Sequence[torch.Tensor], repeat: int = 3) -> list[tuple[str, float]]:
         """Seconds each bound call takes (:func:`kiln.runtime.timing.best_time`: the best of
@@ -544,14 +568,14 @@ class DynamicCallPlan:
         entry = ws.bound[key] = (plan, plan._make_workspace(ws.arena, shared))
         return entry
 
-    def __call__(self, args: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    def __call__(self, args: Sequence[torch.Tensor], out: dict[int, torch.Tensor] | None = None) -> list[torch.Tensor]:
         key = self.bind(args)
         ws = getattr(self._local, "ws", None)
         entry = ws.bound.get(key) if ws is not None else None
         if entry is None:
             entry = self._enter(key)
         plan, w = entry
-        return plan.run_in(w, args, self.poison)
+        return plan.run_in(w, args, self.poison, out)
 
     def profile(self, args: Sequence[torch.Tensor], repeat: int = 3) -> list[tuple[str, float]]:
         """:meth:`CallPlan.profile` of the plan at these arguments' sizes."""

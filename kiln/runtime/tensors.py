@@ -93,3 +93,22 @@ def _wrappable(arr: np.ndarray) -> bool:
     if not arr.flags.writeable or not arr.dtype.isnative:
         return False
     return all(s >= 0 and s % arr.itemsize == 0 for s in arr.strides)
+
+
+def _storage_users(tensor: torch.Tensor) -> int:
+    return torch._C._storage_Use_Count(tensor.untyped_storage()._cdata)
+
+
+try:
+    _ALONE = _storage_users(torch.empty(1))
+except (AttributeError, RuntimeError):  # no use count in this torch: nothing counts as alone
+    _ALONE = -1
+
+
+def sole_owner(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is contiguous over all of its storage and no other tensor (a view,
+    ``.data``, ``.detach()``, a tensor autograd saved, a tied parameter) holds that storage:
+    then its storage can be swapped (``set_``) without anyone else seeing the change."""
+    return (_ALONE > 0 and tensor.is_contiguous() and tensor.storage_offset() == 0
+            and tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
+            and _storage_users(tensor) == _ALONE)

@@ -99,14 +99,17 @@ class CompiledExecutable:
         """The translation unit of this graph ("" when it has no generated kernel)."""
         return self._source_text or ""
 
-    def __call__(self, args: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    def __call__(self, args: Sequence[torch.Tensor], out: dict[int, torch.Tensor] | None = None) -> list[torch.Tensor]:
+        """The graph's outputs.  ``out`` (output position -> tensor, not sharing memory with
+        ``args``): outputs to write into the caller's tensors where the plan allocates them
+        fresh (:class:`~kiln.runtime.call_plan.CallPlan`); which did comes back as identity."""
         if len(args) != self._num_args:
             raise BackendError(f"graph @{format_graph_name(self.graph.name)} takes {len(self.graph.inputs)} inputs "
                                f"and {len(self.graph.params)} params, got {len(args)} tensors")
         if not torch.is_grad_enabled():
-            return self.plan(args)
+            return self.plan(args, out)
         with torch.no_grad():
-            return self.plan(args)
+            return self.plan(args, out)
 
     def __repr__(self) -> str:
         return (f"<{type(self).__name__} {self.info['kernels']} kernels, {self.info['library_calls']} library "

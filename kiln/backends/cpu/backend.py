@@ -25,7 +25,10 @@ Options (defaults in ``CpuBackend.option_defaults``):
   ``1`` marks nothing parallel;
 * ``schedule`` (True): apply the default schedules (False: plain serial loops);
 * ``poison`` (False): fill intermediate and output memory with NaN bytes before every call
-  (a testing aid that exposes reads of unwritten memory).
+  (a testing aid that exposes reads of unwritten memory);
+* ``updated_params`` (()): names of params the caller changes before every call (a
+  training step's weights, which ``kiln.compile_train`` passes): their GEMMs read them as
+  they are instead of from a packed copy that would be made again at every call.
 
 Thread safety: the executable may be called from several threads at once; each thread gets
 its own workspace (arena and pointer arrays), so calls never share intermediate buffers.
@@ -34,7 +37,7 @@ its own workspace (arena and pointer arrays), so calls never share intermediate 
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, ClassVar
@@ -75,6 +78,7 @@ class CpuBackend(CompiledBackend):
     name: ClassVar[str] = "cpu"
     option_defaults: ClassVar[Mapping[str, Any]] = {
         "cache": True, "cache_dir": None, "select": "rule", "threads": None, "schedule": True, "poison": False,
+        "updated_params": (),
     }
     selection = SELECTION
     device: ClassVar[str] = "cpu"
@@ -85,7 +89,7 @@ class CpuBackend(CompiledBackend):
         cache = CompileCache(opts["cache_dir"], enabled=bool(opts["cache"]))
         cc = toolchain.find_compiler()
         return CpuBuild(self, cache, cc, threads=threads, schedule=bool(opts["schedule"]), poison=bool(opts["poison"]),
-                        tuner=_tuner(cache, cc, threads, persist=True))
+                        tuner=_tuner(cache, cc, threads, persist=True), updated=opts["updated_params"])
 
 
 def _tuner(cache: CompileCache, cc: str, threads: int, *, persist: bool) -> GemmTuner:
@@ -100,8 +104,10 @@ class CpuBuild(BuildPipeline):
     executable_type = CpuExecutable
 
     def __init__(self, backend: CpuBackend, cache: CompileCache, cc: str, *, threads: int, schedule: bool,
-                 poison: bool = False, tuner: GemmTuner | None = None):
+                 poison: bool = False, tuner: GemmTuner | None = None, updated: Sequence[str] = ()):
         super().__init__(backend, cache, toolchain.cpu_compiler(cc), poison=poison)
+        self.updated = frozenset(updated)
+        """Params the caller changes at every call (a training step's weights): never packed."""
         self.cc = cc
         self.threads = threads
         self.schedule = schedule
@@ -110,7 +116,8 @@ class CpuBuild(BuildPipeline):
     def partition(self, graph: Graph, choose: Callable[[Node], Choice]) -> GraphPlan:
         tuner = self.tuner
         gemm = tuner.choose if blas_providers() or tuner.micro is not None else None
-        return CpuPartitioner(graph, self.backend, gemm, tune_sizes=getattr(self, "tune_sizes", None)).run(choose)
+        return CpuPartitioner(graph, self.backend, gemm, tune_sizes=getattr(self, "tune_sizes", None),
+                              updated=self.updated).run(choose)
 
     def size_buckets(self, graph: Graph) -> list[dict[str, int]]:
         """GEMM provider buckets of a graph with one named size: the size at
@@ -125,8 +132,11 @@ class CpuBuild(BuildPipeline):
         return [{names[0]: v} for v in values]
 
     def code_options(self, plan: GraphPlan) -> dict[str, Any]:
-        return {"threads": self.threads, "schedule": self.schedule, "choices": plan.choices,
-                "gemm": _providers(plan), "schedule_records": _records_digest(self)}
+        options = {"threads": self.threads, "schedule": self.schedule, "choices": plan.choices,
+                   "gemm": _providers(plan), "schedule_records": _records_digest(self)}
+        if self.updated:
+            options["updated_params"] = sorted(self.updated)
+        return options
 
     def build_identity(self) -> str:
         return toolchain.build_identity()

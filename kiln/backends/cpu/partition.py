@@ -44,8 +44,11 @@ class CpuPartitioner(Partitioner):
     (the GEMM tuner's ``choose``) allows native GEMM kernels."""
 
     def __init__(self, graph: Graph, backend: Backend, gemm: GemmChooser | None = None,
-                 tune_sizes: dict[str, int] | None = None):
+                 tune_sizes: dict[str, int] | None = None, updated: frozenset[str] = frozenset()):
         super().__init__(graph, backend)
+        self.updated = updated
+        """Params that change at every call (a training step's weights): a packed copy of one
+        would be made again at every call, so their GEMMs read them as they are."""
         self.gemm_provider = gemm
         self.tune_sizes = tune_sizes
         """Sizes at which GEMMs with a symbolic M are tuned (default: the scheduling sizes)."""
@@ -83,7 +86,8 @@ class CpuPartitioner(Partitioner):
             # M is read at run time; the provider is timed at the typical M (the scheduling sizes)
             order = {name: i for i, name in enumerate(names)}
             spec = replace(spec, m=m.evaluate(typical), m_expr=size_c_expr(size_expr(m.expr), order))
-        packable = b.root().slot in self.param_slots and b.type.rank == 2 and not spec.batch  # a weight
+        root = b.root()  # a weight that stays the same from call to call
+        packable = root.slot in self.param_slots and root.name not in self.updated and b.type.rank == 2 and not spec.batch
         spec = self.gemm_provider(spec, packable)
         if not spec.packed_b:
             return spec, b

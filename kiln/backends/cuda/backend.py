@@ -79,7 +79,7 @@ class CudaExecutable(CompiledExecutable):
     def sources(self) -> dict[str, str]:
         return kernel_sources(self.cuda_source)
 
-    def __call__(self, args: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    def __call__(self, args: Sequence[torch.Tensor], out: dict[int, torch.Tensor] | None = None) -> list[torch.Tensor]:
         if not self.emulated:
             # parameters are the same tensors at every call: all arguments are checked once,
             # then the inputs only
@@ -91,7 +91,7 @@ class CudaExecutable(CompiledExecutable):
                                        f"{i} is on {t.device}; move the model and inputs to CUDA (.cuda()) or "
                                        f"build with emulate=True to run on the host")
             self._checked = True
-        return super().__call__(args)
+        return super().__call__(args, out)
 
 
 class EmulatedExecutable(CudaExecutable):

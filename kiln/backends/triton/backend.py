@@ -73,12 +73,12 @@ class TritonExecutable(CompiledExecutable):
     """A graph built by the triton backend (see :class:`~kiln.backends.common.build.CompiledExecutable`);
     it checks that its first argument lives on the plan's device."""
 
-    def __call__(self, args: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    def __call__(self, args: Sequence[torch.Tensor], out: dict[int, torch.Tensor] | None = None) -> list[torch.Tensor]:
         if args and args[0].device.type != self.plan.device.type:
             raise BackendError(f"graph @{self.graph.name} was built by the triton backend for device "
                                f"'{self.plan.device}' but received tensors on '{args[0].device}'; move the model "
                                f"and inputs there, or build with interpret={self.plan.device.type != 'cpu'}")
-        return super().__call__(args)
+        return super().__call__(args, out)
 
 
 class TritonBackend(CompiledBackend):
