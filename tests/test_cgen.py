@@ -4,6 +4,7 @@ through a hook, and f16/bf16 are spelled as the C dialects spell them."""
 
 from __future__ import annotations
 
+import ctypes
 import subprocess
 import sys
 from pathlib import Path
@@ -294,3 +295,64 @@ def test_no_parallel_region_opens_inside_an_omp_simd_loop(tmp_path):
     proc = subprocess.run([cc, "-fopenmp", "-c", str(src), "-o", str(tmp_path / "k.o")], capture_output=True,
                           text=True, check=False)
     assert proc.returncode == 0, proc.stderr
+
+
+ROW_INVARIANTS = """program rows() {
+  buffer X: f32[64, 100]
+  buffer M: f32[64]
+  buffer S: f32[64]
+  buffer Y: f32[64, 100]
+  buffer G: f32[64, 100]
+  for i in [0, 64) @parallel {
+    for j in [0, 100) @vectorized {
+      S0: Y[i, j] = X[i, j] - M[i] - log(S[i])
+    }
+    for j in [0, 100) {
+      S1: M[i] = M[i] + X[i, j]
+    }
+    for j in [0, 100) @vectorized {
+      if (i < 60) {
+        S2: G[i, j] = X[i, j] * S[i + 4]
+      }
+    }
+  }
+}
+"""
+
+
+def test_row_invariant_loads_and_math_are_read_once_before_the_inner_loop(tmp_path):
+    """Before an innermost loop, the values it reads and does not change (a softmax row's
+    maximum, the log of its sum) become ``const`` locals, which GCC needs to vectorize the loop;
+    a buffer the loop writes (``M`` in S1) and a load under an ``if`` (S2) stay in the loop."""
+    kernel = KernelPrinter(kl.parse(ROW_INVARIANTS)).function("k")
+    lines = [line.strip() for line in kernel.splitlines()]
+    first_loop = next(i for i, line in enumerate(lines) if line.startswith("for (long") and "< 100" in line)
+    hoisted = [line for line in lines[:first_loop] if line.startswith("const float row")]
+    assert len(hoisted) == 2 and "logf(" in hoisted[1], hoisted  # M[i], then log(S[i]) (M[i] not repeated)
+    statements = [line for line in lines if line.startswith(("Y[", "M[", "G["))]
+    y, m, g = (next(s for s in statements if s.startswith(p)) for p in ("Y[", "M[", "G["))
+    assert "M[" not in y.split("=", 1)[1] and "logf" not in y
+    assert "M[i]" in m.split("=", 1)[1]  # written by its own loop: read there
+    assert "S[i + 4]" in g  # guarded: not read before the loop
+    cc = c_compiler()
+    if cc is None:
+        pytest.skip("no C compiler")
+    rng = np.random.default_rng(0)
+    data = {"X": rng.standard_normal((64, 100)).astype(np.float32), "M": rng.standard_normal(64).astype(np.float32),
+            "S": rng.uniform(1, 2, 64).astype(np.float32), "Y": np.zeros((64, 100), np.float32),
+            "G": np.zeros((64, 100), np.float32)}
+    want = {k: v.copy() for k, v in data.items()}
+    want["Y"] = want["X"] - want["M"][:, None] - np.log(want["S"])[:, None]
+    want["M"] = want["M"] + want["X"].sum(axis=1)
+    want["G"][:60] = want["X"][:60] * want["S"][4:64, None]
+    source = tmp_path / "k.c"
+    source.write_text("#include <math.h>\n#include <stdlib.h>\n#include <string.h>\n" + kernel
+                      + "void run(void **p) { k(p[0], p[1], p[2], p[3], p[4]); }\n")
+    lib = tmp_path / "k.so"
+    proc = subprocess.run([cc, "-fopenmp", "-O3", "-march=native", "-fno-math-errno", "-shared", "-fPIC", str(source),
+                           "-o", str(lib), "-lm"], capture_output=True, text=True, check=False)
+    assert proc.returncode == 0, proc.stderr
+    pointers = (ctypes.c_void_p * 5)(*(data[k].ctypes.data for k in ("X", "M", "S", "Y", "G")))
+    ctypes.CDLL(str(lib)).run(pointers)
+    for key in ("Y", "M", "G"):
+        np.testing.assert_allclose(data[key], want[key], rtol=1e-5, atol=1e-5)

@@ -302,13 +302,57 @@ class KernelPrinter(HalfAsFloat, CStylePrinter):
         """Loop ``n`` with ``pragma``, or the pragmas of :meth:`loop_pragmas`; a parallel
         region it opens closes after its body."""
         state = self._in_parallel, self._in_simd, self._collapsed
+        hoisted: list[Expr] = []
         if n.iterator in self._collapsed:
             lines: list[str] = []  # an inner loop of a collapse(n) region: OpenMP allows no pragma between them
         else:
             lines = [pragma] if pragma is not None else self.loop_pragmas(n)
+            hoisted = self._hoist_row_invariants(n, ind)
         self.lines += [ind + line for line in lines]
         self.for_loop(n, ind)
+        for e in hoisted:
+            del self._hoisted[e]
         self._in_parallel, self._in_simd, self._collapsed = state
+
+    def _hoist_row_invariants(self, n: Loop, ind: str) -> list[Expr]:
+        """Before an innermost loop ``n`` inside a nest: one ``const`` local per value its
+        statements read that ``n`` does not change -- a load whose indices lack ``n``'s
+        iterator from a buffer ``n`` does not write (a row's maximum in a softmax), and math
+        on such values.  GCC keeps such loads and calls in the loop and then vectorizes
+        nothing.  Loads are hoisted only from statements no ``if`` guards, out of loops that
+        run at least once, so a hoisted load reads only what the loop would have read."""
+        if self._hoisted is None or any(isinstance(c, (Loop, If)) for c in n.body):
+            return []
+        runs = isinstance(n.lower, Const) and isinstance(n.upper, Const) and n.upper.value > n.lower.value
+        written = {st.buffer for st in n.body}
+        added: list[Expr] = []
+
+        def candidate(e: Expr) -> bool:
+            if n.iterator in free_vars(e) or e in self._hoisted:
+                return False
+            loads = [x for x in walk(e) if isinstance(x, Load)]
+            if any(x.buffer in written for x in loads) or (loads and not runs):
+                return False
+            if isinstance(e, Load):
+                return True
+            return self.dtype(e).is_floating and any(isinstance(x, (Load, Call)) for x in walk(e)) and not any(
+                isinstance(x, Binary) and x.op in ("/", "%", "floordiv", "floormod") and self.dtype(x).is_integer
+                for x in walk(e))
+
+        def visit(e: Expr) -> None:
+            if isinstance(e, (Load, Binary, Unary, Call, Cast)) and candidate(e):
+                name = f"row{len(added)}_{self._n_hoisted}"
+                self.lines.append(f"{ind}const {self._value_type(self.dtype(e))} {name} = {self.expr(e)};")
+                self._hoisted[e] = name
+                added.append(e)
+                return
+            for child in e.children():
+                visit(child)
+
+        self._n_hoisted += 1
+        for statement in n.body:
+            visit(statement.value)
+        return added
 
     def loop_pragmas(self, n: Loop) -> list[str]:
         """OpenMP for ``n``: a parallel loop outside any region opens one (``collapse`` over
