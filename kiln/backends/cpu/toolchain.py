@@ -8,7 +8,7 @@ runs it.  The compiler is found once, by :func:`c_compiler` (``$CC``, else ``cc`
 or ``clang``).
 
 Every graph becomes one translation unit compiled once with
-``cc -O3 -march=native -fopenmp -fno-math-errno -shared -fPIC`` (:data:`FLAGS`; the
+``cc -O3 -march=native -mprefer-vector-width=512 -fopenmp -fno-math-errno -shared -fPIC`` (:data:`FLAGS`; the
 toolchain :func:`cpu_compiler` returns).  Its identity and the kiln build identity (version
 plus a hash of the code-generating sources) are part of the compile-cache key, so a new
 compiler, new flags, another CPU or changed kiln code never reuse an old shared object.  The
@@ -31,9 +31,12 @@ from typing import ClassVar
 from kiln.backends.base import BackendError
 from kiln.backends.common.toolchain import find_tool, sources_digest
 
-FLAGS: tuple[str, ...] = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-std=gnu11",
-                          "-shared", "-fPIC")
-"""Flags of every compile (``-fno-math-errno`` lets math calls vectorize; results are the same)."""
+FLAGS: tuple[str, ...] = ("-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-fno-math-errno",
+                          "-std=gnu11", "-shared", "-fPIC")
+"""Flags of every compile (``-fno-math-errno`` lets math calls vectorize; results are the same).
+GCC vectorizes for 256-bit registers by default even where the CPU has AVX-512; 512-bit
+vectors measured faster here (the GPT-2 training step's elementwise and softmax kernels
+10.3 -> 9.1 ms; inference within noise).  Without AVX-512 the preference changes nothing."""
 LIBS: tuple[str, ...] = ("-lm",)
 C_COMPILERS: tuple[str, ...] = ("cc", "gcc", "clang")
 """Programs tried, in order, when ``$CC`` names none."""
