@@ -223,3 +223,29 @@ graph @chain3d(%x: f32[1, 2, 7, 9, 5]) params(%w1: f32[4, 2, 3, 3, 3], %w2: f32[
     written = [pv.name for op in plan.ops if op.step == "kernel" for pv in op.outputs]
     assert any(name.endswith(".nhwc") for name in written), written
     assert not [op for op in plan.ops if op.step == "copy"]
+
+
+@pytest.mark.parametrize("kind", ["oneDNN", "kiln-gemm", "kiln-depthwise"])
+def test_a_packed_weight_is_not_taken_for_a_new_tensor_at_a_freed_ones_address(kind):
+    """The conv chooser times a convolution on random weights, then the same object runs the
+    real (folded) weight: a new tensor often gets the freed random weight's address and
+    version 0, so a packing cache keyed on (address, version) alone would run the random
+    weights.  The packers keep the tensor their packing came from."""
+    import torch.nn.functional as F
+
+    from kiln.backends.cpu.conv import KilnConv2d
+    from kiln.backends.cpu.packed_conv import PackedConv
+
+    groups = 16 if kind == "kiln-depthwise" else 1
+    shape = (16, 1, 3, 3) if groups == 16 else (8, 16, 3, 3)
+    x = torch.randn(1, 16, 9, 9).contiguous(memory_format=torch.channels_last)
+    if kind == "oneDNN":
+        conv = PackedConv(tuple(x.shape), (1, 1), (1, 1), (1, 1), groups)
+    else:
+        conv = KilnConv2d("depthwise" if groups == 16 else "gemm", (1, 1), (1, 1), (1, 1), groups)
+    for _ in range(20):
+        timed = torch.randn(shape)
+        conv(x, timed)
+        del timed
+        real = torch.randn(shape)  # often at the freed tensor's address, version 0
+        torch.testing.assert_close(conv(x, real), F.conv2d(x, real, padding=1, groups=groups), rtol=1e-4, atol=1e-4)

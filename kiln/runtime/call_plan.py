@@ -285,7 +285,7 @@ class PackStep:
         target = template[self.target]
         shape, strides, offset = self.view
         source, write = self.source, self.write
-        last: list[object] = [None]
+        last: list[object] = [None, None]  # the key, and the tensor (a freed one's address is soon reused)
 
         def call(slots: Slots) -> None:
             w = slots[source]
@@ -295,7 +295,7 @@ class PackStep:
                 key = None
             if key is None or key != last[0]:
                 write(torch.as_strided(w, shape, strides, w.storage_offset() + offset), target)
-                last[0] = key
+                last[0], last[1] = key, w
         return call
 
 

@@ -345,7 +345,7 @@ class KilnConv2d:
         self.kind = kernel_kind
         self.stride, self.padding, self.dilation, self.groups = tuple(stride), tuple(padding), tuple(dilation), groups
         self._gemm, self._dw = kernels
-        self._packed: tuple[tuple | None, torch.Tensor] | None = None
+        self._packed: tuple[tuple | None, torch.Tensor, torch.Tensor] | None = None
         self._lock = threading.Lock()
 
     def _weight(self, w: torch.Tensor) -> torch.Tensor:
@@ -354,7 +354,7 @@ class KilnConv2d:
         if packed is not None and key is not None and packed[0] == key:
             return packed[1]
         with self._lock:
-            w = w.detach()
+            source, w = w, w.detach()
             if self.kind == "gemm":
                 cout = w.shape[0]
                 b = w.reshape(cout, -1).t()  # K x Cout, k = (c, kh, kw)
@@ -362,7 +362,7 @@ class KilnConv2d:
                 microgemm.pack_panels(b, weight)
             else:
                 weight = w[:, 0].permute(1, 2, 0).contiguous()  # [KH][KW][C]
-            self._packed = (key, weight)
+            self._packed = (key, weight, source)  # the source kept: see version_key
         return weight
 
     def __call__(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:

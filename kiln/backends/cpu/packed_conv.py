@@ -39,7 +39,9 @@ def packed_conv_available(spatial: int) -> bool:
 
 def version_key(tensors: Sequence[torch.Tensor | None]) -> tuple | None:
     """What identifies the contents of ``tensors``: storage addresses and version counters;
-    ``None`` (never reused) when one is an inference tensor, which has no version counter."""
+    ``None`` (never reused) when one is an inference tensor, which has no version counter.
+    A holder of a key keeps the tensors too: a freed tensor's address and version 0 are
+    soon a new tensor's (a weight timed on random data, then the real one)."""
     if any(t is not None and t.is_inference() for t in tensors):
         return None
     return tuple((t.data_ptr(), t._version) if t is not None else None for t in tensors)
@@ -65,7 +67,7 @@ class PackedConv:
         self.args = (list(padding), list(stride), list(dilation), groups)
         self.post = post
         self._reorder = getattr(torch._C._nn, _REORDER[len(stride)])
-        self._packed: tuple[tuple, torch.Tensor] | None = None
+        self._packed: tuple[tuple | None, torch.Tensor, torch.Tensor] | None = None
         self._lock = threading.Lock()
 
     def _weight(self, w: torch.Tensor) -> torch.Tensor:
@@ -77,7 +79,7 @@ class PackedConv:
             padding, stride, dilation, groups = self.args
             weight = self._reorder(w.detach().contiguous().to_mkldnn(), padding, stride, dilation, groups,
                                    list(self.input_shape))
-            self._packed = (key, weight)
+            self._packed = (key, weight, w)  # w kept: see version_key
         return weight
 
     def __call__(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
