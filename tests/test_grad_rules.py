@@ -186,6 +186,9 @@ TABLE += [
     g("cat", f(2, 3), f(2, 1), f(2, 2), dim=1), g("cat", f(2, 2), ints(1, 2), dim=0),
     g("pad", f(2, 3, 4), pads=(1, 2, -1, 1)), g("flip", f(2, 3, 2), dims=(0, 2)),
     g("gather", f(3, 4), ints(2, 4), dim=0), g("gather", f(3, 4), ints(3, 2, hi=4), dim=-1),
+    # one position per row (a loss picking each target): the elementwise where() form
+    g("gather", f(5, 7), ints(5, 1, hi=7), dim=1), g("gather", f(5, 7), ints(1, 7, hi=5), dim=0),
+    g("gather", f(2, 6, 3), ints(2, 1, 3, hi=6), dim=-2), g("gather", f(4, 1), ints(4, 1, hi=1), dim=1),
     g("scatter_add", f(3, 4), ints(2, 3), f(2, 4), dim=0),
     g("index_select", f(3, 4), ints(5, hi=4), dim=1),
     g("index_select", f(3, 2), np.array(2, np.int64), dim=0),

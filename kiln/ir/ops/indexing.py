@@ -73,10 +73,21 @@ def gather(x, index, *, dim):
 
 @defvjp("gather")
 def _gather_vjp(b, inputs, outputs, cotangents, attrs):
-    """Scatter-add the cotangent into zeros at the gathered positions."""
+    """Scatter-add the cotangent into zeros at the gathered positions.  One position per row
+    (an index of size 1 along ``dim``, full size elsewhere: a negative log-likelihood's pick
+    of each target) cannot collide, so the gradient is the elementwise ``where(position ==
+    index, cotangent, 0)``, which fuses into the kernel that reads it (no dense scatter)."""
     x, index = inputs
     if not x.dtype.is_floating:
         return [None, None]
+    axis = normalize_dim(attrs["dim"], x.type.rank) if x.type.rank else 0
+    shape = x.type.shape
+    if (x.type.rank and x.type.is_static and index.type.is_static and index.type.shape[axis] == 1
+            and all(index.type.shape[a] == n for a, n in enumerate(shape) if a != axis)):
+        positions = b.reshape(b.op("arange", end=shape[axis], dtype=index.dtype),
+                              [n if a == axis else 1 for a, n in enumerate(shape)])
+        picked = b.op("eq", positions, index)
+        return [b.where(picked, cotangents[0], b.const(0.0, x)), None]
     return [b.op("scatter_add", b.zeros(x.type), index, cotangents[0], dim=attrs["dim"]), None]
 
 
