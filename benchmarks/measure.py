@@ -10,6 +10,14 @@ benchmarks`` (two systems, no report files); the graph-level pieces it uses are
     python -m benchmarks.measure                  # test models and GPT-2 small seq 128
     python -m benchmarks.measure gpt2-small bert-base --runs 20 --threads 1
     python -m benchmarks.measure gpt2-small --profile   # where the time goes
+    python -m benchmarks.measure gpt2-small --roofline  # GFLOP/s against this machine's sgemm peak
+
+``--roofline`` measures the machine's sgemm peak in the same run (the best GFLOP/s of
+``torch.mm`` -- MKL here -- on square float32 matrices of 1024 to 3072 at the thread count)
+and reports each model's GEMM work (matmuls, convolutions and attention, counted from
+kiln's graph with the ops' cost rules) over kiln's median latency, as GFLOP/s and as a share
+of that peak.  Everything else the model does (norms, softmax, GELU) counts as time, not
+work, so the share is a bound on how close to the GEMM roofline the whole model runs.
 """
 
 from __future__ import annotations
@@ -94,9 +102,38 @@ def interleaved(a: Callable[[], Any], b: Callable[[], Any], runs: int) -> tuple[
     return statistics.median(s[0] for s in samples), statistics.median(s[1] for s in samples)
 
 
+GEMM_LIKE = ("matmul", "conv", "conv_transpose", "scaled_dot_product_attention")
+"""Ops whose work is a GEMM (their ``cost`` rule counts multiply-adds as two FLOPs)."""
+
+
+def gemm_flops(graph: Any) -> float:
+    """FLOPs of the GEMM-like nodes of a kiln graph (fused bodies included), from the ops'
+    cost rules."""
+    total = 0.0
+    for node in graph.nodes:
+        if node.op_name == "fused":
+            total += gemm_flops(node.attrs["body"])
+        elif node.op_name in GEMM_LIKE and node.op.cost is not None:
+            total += float(node.op.cost([v.type for v in node.inputs], [v.type for v in node.outputs], **node.attrs))
+    return total
+
+
+def sgemm_peak(sizes: tuple[int, ...] = (1024, 2048, 3072)) -> tuple[float, int]:
+    """This machine's float32 GEMM peak at torch's thread count: the best GFLOP/s of
+    ``torch.mm`` (MKL where torch has it) over square matrices of ``sizes``; returns it and
+    the size that reached it."""
+    best = (0.0, 0)
+    for n in sizes:
+        a, b = torch.randn(n, n), torch.randn(n, n)
+        out = torch.empty(n, n)
+        seconds = best_time(lambda: torch.mm(a, b, out=out), repeat=5, warmup=2)
+        best = max(best, (2.0 * n ** 3 / seconds / 1e9, n))
+    return best
+
+
 def measure_model(name: str, runs: int) -> dict[str, Any]:
     """Eager and kiln-cpu latency (ms) of the model ``name`` of :data:`MODELS`, the speedup,
-    the compile time (s) and the memory plan."""
+    the compile time (s), the memory plan and the GEMM work (GFLOP, :func:`gemm_flops`)."""
     model, args, kwargs = MODELS[name]()
     start = time.perf_counter()
     compiled = kiln.compile(model, args, backend="cpu", example_kwargs=kwargs)
@@ -105,7 +142,8 @@ def measure_model(name: str, runs: int) -> dict[str, Any]:
         eager_s, kiln_s = interleaved(lambda: model(*args, **kwargs), lambda: compiled(*args, **kwargs), runs)
     info = getattr(compiled.executable, "info", {})
     return {"model": name, "eager_ms": eager_s * 1e3, "kiln_ms": kiln_s * 1e3, "speedup": eager_s / kiln_s,
-            "compile_s": compile_s, "memory": info.get("memory", "")}
+            "compile_s": compile_s, "memory": info.get("memory", ""),
+            "gemm_gflop": gemm_flops(compiled.executable.graph) / 1e9}
 
 
 def profile_model(name: str, repeat: int = 5) -> tuple[float, list[tuple[str, float, int]]]:
@@ -154,6 +192,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--runs", type=int, default=30)
     parser.add_argument("--threads", type=int, default=None, help="torch and kiln threads (default: torch's)")
     parser.add_argument("--profile", action="store_true", help="print where each model's time goes instead")
+    parser.add_argument("--roofline", action="store_true",
+                        help="measure this machine's sgemm peak and each model's GEMM GFLOP/s against it")
     ns = parser.parse_args(argv)
     ns.models = ns.models or ["test-mlp", "test-resnet18", "test-cnn", "test-gpt2", "test-bert", "gpt2-small"]
     unknown = [m for m in ns.models if m not in MODELS]
@@ -175,12 +215,20 @@ def main(argv: list[str] | None = None) -> None:
     for label, kiln_us, eager_us in module_call_overhead_us():
         print(f"per-call time of kiln.compile({label}) (whole call, kernels included): {kiln_us:.1f} us; "
               f"eager: {eager_us:.1f} us")
-    print("| model | eager ms | kiln-cpu ms | speedup | compile s | memory plan |")
-    print("|---|---|---|---|---|---|")
+    peak = sgemm_peak() if ns.roofline else None
+    if peak is not None:
+        print(f"sgemm peak (torch.mm, {torch.get_num_threads()} threads): {peak[0]:.0f} GFLOP/s at {peak[1]}^3")
+    extra = " GEMM GFLOP | kiln GFLOP/s | of peak |" if peak else ""
+    print("| model | eager ms | kiln-cpu ms | speedup | compile s | memory plan |" + extra)
+    print("|---|---|---|---|---|---|" + "---|---|---|" * bool(peak))
     for name in ns.models:
         r = measure_model(name, ns.runs)
-        print(f"| {r['model']} | {r['eager_ms']:.2f} | {r['kiln_ms']:.2f} | {r['speedup']:.2f}x | "
-              f"{r['compile_s']:.1f} | {r['memory'].replace('memory plan: ', '')} |", flush=True)
+        row = (f"| {r['model']} | {r['eager_ms']:.2f} | {r['kiln_ms']:.2f} | {r['speedup']:.2f}x | "
+               f"{r['compile_s']:.1f} | {r['memory'].replace('memory plan: ', '')} |")
+        if peak:
+            rate = r["gemm_gflop"] / (r["kiln_ms"] / 1e3)
+            row += f" {r['gemm_gflop']:.2f} | {rate:.0f} | {rate / peak[0]:.0%} |"
+        print(row, flush=True)
 
 
 if __name__ == "__main__":
