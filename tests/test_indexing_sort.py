@@ -53,6 +53,8 @@ GROUPS = {
         x.index_put((m,), torch.tensor(3.0)), x.index_put((m[:, :, 0],), torch.arange(4.)),
         x.index_put((m,), torch.tensor(1.0), accumulate=True),
         x.index_put((torch.tensor([0, 2, 0]),), torch.ones(5, 4), accumulate=True),
+        x.index_put((torch.tensor([[1, -1], [0, 1]]),), x[:1] * 3, accumulate=True),
+        x.index_put((torch.tensor([-3, 2, -1]),), x, accumulate=True),
         x.index_put((torch.tensor([0, -1]), torch.tensor([1, 3])), torch.tensor([7.0, 8.0]).unsqueeze(-1)),
         x.masked_scatter(m, torch.arange(60.).reshape(3, 5, 4)),
         x.masked_scatter(m[0, :, 0:1], -torch.arange(60.)),

@@ -15,7 +15,8 @@ op                               call                                           
 ``scaled_dot_product_attention`` ``torch.nn.functional.scaled_dot_product_attention``  no
 ``embedding``                    ``torch.index_select(w, 0, idx, out=o)``              yes
 ``index_put``                    ``aten.index_put`` (integer indices; the gradient     no
-                                 of embeddings and gathers)
+                                 of embeddings and gathers); accumulating through
+                                 one index into the first axis: ``index_add_``
 ``scatter_add``                  ``torch.scatter_add``                                 no
 ``argsort``                      ``torch.argsort(stable=True)`` for rows of at least   no
                                  :data:`LIBRARY_SORT_MIN` elements (the generated
@@ -140,6 +141,17 @@ def _index_put(node: Node, persistent: Sequence[bool] = ()) -> LibraryCall:
     rank = node.inputs[0].type.rank
     starts = [normalize_dim(d, rank) for d in node.attrs["dims"]]
     accumulate = node.attrs["accumulate"]
+
+    if accumulate and starts == [0] and rank >= 1:
+        def index_add(x: torch.Tensor, values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+            # one index into the first axis (an embedding's gradient): index_add_ is vectorized
+            # and parallel, aten's accumulating index_put is not (0.53 -> 0.23 ms for 512 rows
+            # of 256 into 5000)
+            flat = index.reshape(-1)
+            flat = torch.where(flat < 0, flat + x.shape[0], flat)
+            rows = values.to(x.dtype).expand(*index.shape, *x.shape[1:]).reshape(flat.numel(), *x.shape[1:])
+            return x.clone().index_add_(0, flat, rows)
+        return LibraryCall(index_add, False, "torch index_add_")
 
     def index_put(x: torch.Tensor, values: torch.Tensor, *indices: torch.Tensor) -> torch.Tensor:
         key: list[torch.Tensor | None] = [None] * rank
