@@ -147,3 +147,58 @@ def test_updated_weights_are_not_packed_but_frozen_ones_are():
     packed = [label for label in step._executable.plan.workspace().labels if label.startswith("PackStep")]
     assert not any("up.weight" in label for label in packed), packed
     torch.testing.assert_close(model.up.weight, twin.up.weight, rtol=1e-5, atol=1e-6)
+
+
+def _sgd(params):
+    return torch.optim.SGD(params, lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01)
+
+
+def _adam_amsgrad(params):
+    return torch.optim.Adam(params, lr=1e-2, amsgrad=True)
+
+
+def _adamw_groups(params):
+    params = list(params)
+    return torch.optim.AdamW([{"params": params[:2], "lr": 2e-2}, {"params": params[2:], "weight_decay": 0.0}], lr=1e-2)
+
+
+@pytest.mark.parametrize("make", [_sgd, _adam_amsgrad, _adamw_groups], ids=["sgd-nesterov", "adam-amsgrad", "adamw-groups"])
+def test_kiln_and_eager_steps_alternate_on_one_trajectory(make):
+    """Swapped storages and the optimizer's own in-place updates mix: kiln, eager, kiln..."""
+    torch.manual_seed(5)
+    model = TwoLayer()
+    model.down.bias.requires_grad_(False)  # frozen: no state, never written
+    twin = copy.deepcopy(model)
+    opt, twin_opt = make(p for p in model.parameters() if p.requires_grad), make(
+        p for p in twin.parameters() if p.requires_grad)
+    x, y = torch.randn(8, 16), torch.randn(8, 16)
+    step = kiln.compile_train(model, F.mse_loss, opt, (x, y), backend="cpu", cache=False)
+    frozen = model.down.bias.data_ptr()
+    for i in range(6):
+        want = _eager_step(twin, twin_opt, x, y)
+        got = step(x, y) if i % 3 != 1 else _eager_step(model, opt, x, y)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
+    for p, q in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+        for key, value in twin_opt.state[q].items():
+            torch.testing.assert_close(opt.state[p][key], value, rtol=1e-5, atol=1e-7)
+    assert model.down.bias.data_ptr() == frozen and not opt.state[model.down.bias]
+
+
+def test_a_float16_step_skipped_for_overflow_leaves_everything_unchanged():
+    torch.manual_seed(6)
+    model = TwoLayer()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    x, y = torch.randn(8, 16), torch.randn(8, 16)
+    step = kiln.compile_train(model, F.mse_loss, opt, (x, y), backend="cpu", cache=False, amp="float16")
+    step(x, y)
+    step(x, y)  # the spare buffers are in use from here on
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    moments = {n: opt.state[p]["exp_avg"].clone() for n, p in model.named_parameters()}
+    skipped = step.skipped_steps
+    step(x * 1e30, y)  # overflows in float16: skipped
+    assert step.skipped_steps == skipped + 1
+    for n, p in model.named_parameters():
+        assert torch.equal(p, before[n]) and torch.equal(opt.state[p]["exp_avg"], moments[n]), n
+    step(x, y)
+    assert all(not torch.equal(p, before[n]) for n, p in model.named_parameters())
