@@ -149,7 +149,7 @@ def run_policy(args: argparse.Namespace, rows: list[dict[str, Any]]) -> dict[str
     kernels = kernel_set()
     train = [(p, params, kind) for i, (_, p, params, kind) in enumerate(kernels) if i % 2 == 0]
     held = [(i, name, p, params, kind) for i, (name, p, params, kind) in enumerate(kernels) if i % 2 == 1]
-    env = ScheduleKernelEnv(train, max_steps=6, threads=torch.get_num_threads())
+    env = ScheduleKernelEnv(train, max_steps=6, threads=torch.get_num_threads(), start=args.rl_start)
     deadline = time.monotonic() + args.rl_seconds
 
     class Stop(BaseCallback):
@@ -160,9 +160,9 @@ def run_policy(args: argparse.Namespace, rows: list[dict[str, Any]]) -> dict[str
     start = time.monotonic()
     agent.learn(total_timesteps=100_000, callback=Stop())
     trained_s = time.monotonic() - start
-    out = {"train_seconds": trained_s, "train_steps": int(agent.num_timesteps), "kernels": []}
+    out = {"train_seconds": trained_s, "train_steps": int(agent.num_timesteps), "start": args.rl_start, "kernels": []}
     evaluate = ScheduleKernelEnv([(p, params, kind) for _, _, p, params, kind in held], max_steps=6,
-                                 threads=torch.get_num_threads())
+                                 threads=torch.get_num_threads(), start=args.rl_start)
     for j, (i, name, *_rest) in enumerate(held):
         obs, _ = evaluate.reset(options={"index": j})
         done = False
@@ -243,8 +243,10 @@ def markdown(report: dict[str, Any]) -> str:
                       f"{cm['mean_per_kernel_spearman']:.2f} (mean per kernel), {cm['pooled_spearman']:.2f} (pooled)."]
     rl = report.get("policy")
     if rl:
+        begin = ("kiln's default schedule" if rl.get("start") == "default" else "the unscheduled program")
         lines += ["", f"MaskablePPO policy: trained {rl['train_seconds']:.0f} s ({rl['train_steps']} steps) on the "
-                      "even-numbered kernels, evaluated once (one measurement) on the odd-numbered ones:", "",
+                      f"even-numbered kernels, episodes starting from {begin}, evaluated once (one measurement) "
+                      "on the odd-numbered ones:", "",
                   "| held-out kernel | policy | policy, default as fallback | evolutionary (measurements) |",
                   "|---|---|---|---|"]
         for k in rl["kernels"]:
@@ -277,6 +279,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trials", type=int, default=48, help="measured candidates per kernel and strategy")
     parser.add_argument("--kernel-seconds", type=float, default=60, help="at most this long per kernel and strategy")
     parser.add_argument("--rl-seconds", type=float, default=300, help="MaskablePPO training time (0: skip)")
+    parser.add_argument("--rl-start", choices=("default", "unscheduled"), default="default",
+                        help="where the policy's episodes start: kiln's default schedule or the unscheduled program")
     parser.add_argument("--models", default="tiny-mlp-b16,transformer block,mlp-b1")
     parser.add_argument("--model-budget", type=float, default=120, help="tune_model budget per model (0: skip)")
     parser.add_argument("--out", default=None, help="write the report as JSON here")

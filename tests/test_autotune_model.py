@@ -109,6 +109,28 @@ def test_schedule_env_passes_gymnasiums_checker_and_masks_illegal_steps():
     assert reward < 0 and env.schedule.trace == before
 
 
+def test_episodes_can_start_from_the_default_schedule():
+    """``start="default"``: an episode begins with kiln's default schedule replayed (checked),
+    stopping at once is the default's own time (reward 0), and the mask is still exactly
+    the legal steps from there."""
+    pytest.importorskip("gymnasium")
+    from gymnasium.utils.env_checker import check_env
+
+    from kiln.backends.cpu.schedules import strategy_schedule
+    from kiln.tuning.autotune.env import ScheduleKernelEnv
+
+    env = ScheduleKernelEnv(max_steps=3, threads=2, start="default")
+    check_env(env)
+    env.reset(seed=0, options={"index": 0})
+    static, _, kind = env.kernels[0]
+    assert env.schedule.trace == strategy_schedule(static, kind, threads=2).trace and env.schedule.trace
+    assert env.schedule.verify()
+    _, reward, terminated, *_ = env.step(len(env.actions) - 1)
+    assert terminated and reward == 0.0
+    with pytest.raises(ValueError, match="start must be"):
+        ScheduleKernelEnv(start="somewhere")
+
+
 @pytest.mark.slow
 def test_maskable_ppo_trains_on_the_environment():
     pytest.importorskip("gymnasium")

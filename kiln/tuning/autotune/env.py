@@ -1,7 +1,9 @@
 """``kiln/ScheduleKernel-v0``: scheduling one loop kernel, with legality as the action mask.
 
 An episode schedules one kernel drawn from the environment's set, starting from its
-unscheduled program.  Actions are schedule primitives with arguments, on loop *slots* (the
+unscheduled program (``start="unscheduled"``) or from kiln's default schedule for it
+(``start="default"``: the steps then refine what the cpu backend would build, and ``stop``
+at once is the default's time, reward 0).  Actions are schedule primitives with arguments, on loop *slots* (the
 schedule's loops in program order, outer to inner, at most ``max_loops``):
 :data:`ACTION_KINDS` per slot, plus ``stop``.  :meth:`ScheduleKernelEnv.action_masks` is
 true exactly for the actions whose step passes the isl legality check (and applies
@@ -72,13 +74,18 @@ class ScheduleKernelEnv(gym.Env):
         reward: ``"measured"`` or ``"model"`` (needs ``cost_model``).
         measure_every: with ``reward="model"``, measure every this many episodes.
         threads: threads the default schedules plan for (default 2).
+        start: ``"unscheduled"`` or ``"default"`` (see the module docstring).
     """
 
     metadata: dict[str, Any] = {"render_modes": []}
 
     def __init__(self, kernels: Sequence[tuple[Program, Mapping[str, int | float], str]] | None = None, *,
                  max_steps: int = 6, max_loops: int = 8, reward: str = "measured", cost_model: Any = None,
-                 measure_every: int = 4, threads: int = 2, repeat: int = 3, cache_dir: str | None = None):
+                 measure_every: int = 4, threads: int = 2, repeat: int = 3, cache_dir: str | None = None,
+                 start: str = "unscheduled"):
+        if start not in ("unscheduled", "default"):
+            raise ValueError(f"ScheduleKernelEnv: start must be 'unscheduled' or 'default', got {start!r}")
+        self.start = start
         if reward not in ("measured", "model"):
             raise ValueError(f"ScheduleKernelEnv: reward must be 'measured' or 'model', got {reward!r}")
         if reward == "model" and cost_model is None:
@@ -100,6 +107,7 @@ class ScheduleKernelEnv(gym.Env):
         self.observation_space = spaces.Box(-OBS_BOUND, OBS_BOUND, shape=(size,), dtype=np.float32)
         self._measurers: dict[int, Measurer] = {}
         self._defaults: dict[int, float] = {}
+        self._starts: dict[int, Schedule] = {}
         self._episodes = 0
         self.index = 0
         self.schedule: Schedule | None = None
@@ -112,7 +120,7 @@ class ScheduleKernelEnv(gym.Env):
             self.index = int(options["index"]) % len(self.kernels)
         else:
             self.index = int(self.np_random.integers(len(self.kernels)))
-        self.schedule = Schedule(self.kernels[self.index][0])
+        self.schedule = self._initial_schedule(self.index)
         self.steps = 0
         self._mask = self._compute_mask()
         return self._observation(), {"action_mask": self._mask.copy(), "kernel": self.index}
@@ -142,6 +150,14 @@ class ScheduleKernelEnv(gym.Env):
         return self._mask.copy()
 
     # ------------------------------------------------------------------ internals
+    def _initial_schedule(self, index: int) -> Schedule:
+        static, _, kind = self.kernels[index]
+        if self.start == "unscheduled":
+            return Schedule(static)
+        if index not in self._starts:  # the default's steps, replayed (and checked) once per kernel
+            self._starts[index] = Schedule.replay(static, strategy_schedule(static, kind, threads=self.threads).trace)
+        return self._starts[index].copy()
+
     def _loops(self) -> list[space.Band]:
         return space.bands_of(self.schedule)[: self.max_loops]
 
