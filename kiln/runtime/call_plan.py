@@ -443,15 +443,10 @@ class CallPlan:
         as in the module docstring."""
         slots = ws.template.copy()
         slots[: self.num_args] = args
-        empty = self._empty
-        if out:
-            given = self._given(out)
-            for slot, shape, dtype in self.fresh_specs:
-                tensor = given.get(slot)
-                slots[slot] = tensor if tensor is not None else empty(shape, dtype)
-        else:
-            for slot, shape, dtype in self.fresh_specs:
-                slots[slot] = empty(shape, dtype)
+        empty, given = self._empty, self._given(out) if out else {}
+        for slot, shape, dtype in self.fresh_specs:
+            tensor = given.get(slot)
+            slots[slot] = tensor if tensor is not None else empty(shape, dtype)
         if poison:
             self._poison(ws, slots)
         for call in ws.calls:

@@ -262,9 +262,8 @@ class KernelPrinter(HalfAsFloat, CStylePrinter):
 
         def worth(e: Expr) -> bool:
             nodes = list(walk(e))
-            return any(isinstance(x, Call) or (isinstance(x, Binary) and x.op == "/") for x in nodes) and not any(
-                isinstance(x, Binary) and x.op in ("/", "%", "floordiv", "floormod") and self.dtype(x).is_integer
-                for x in nodes)
+            return any(isinstance(x, Call) or (isinstance(x, Binary) and x.op == "/") for x in nodes) \
+                and not self._divides_integers(nodes)
 
         def visit(e: Expr) -> None:
             if isinstance(e, (Binary, Unary, Call, Cast)) and self.dtype(e).is_floating and invariant(e):
@@ -282,6 +281,12 @@ class KernelPrinter(HalfAsFloat, CStylePrinter):
         for statement in _statements((n,)):
             visit(statement.value)
         return found
+
+    def _divides_integers(self, nodes: Sequence[Expr]) -> bool:
+        """Whether an integer division or remainder is among ``nodes``: it may trap (a zero
+        divisor its ``if`` guards), so such an expression is never moved out of place."""
+        return any(isinstance(x, Binary) and x.op in ("/", "%", "floordiv", "floormod") and self.dtype(x).is_integer
+                   for x in nodes)
 
     def _value_type(self, dtype: DType) -> str:
         """The C type a value of ``dtype`` is computed in (``float`` for the half types)."""
@@ -335,9 +340,9 @@ class KernelPrinter(HalfAsFloat, CStylePrinter):
                 return False
             if isinstance(e, Load):
                 return True
-            return self.dtype(e).is_floating and any(isinstance(x, (Load, Call)) for x in walk(e)) and not any(
-                isinstance(x, Binary) and x.op in ("/", "%", "floordiv", "floormod") and self.dtype(x).is_integer
-                for x in walk(e))
+            nodes = list(walk(e))
+            return self.dtype(e).is_floating and any(isinstance(x, (Load, Call)) for x in nodes) \
+                and not self._divides_integers(nodes)
 
         def visit(e: Expr) -> None:
             if isinstance(e, (Load, Binary, Unary, Call, Cast)) and candidate(e):
