@@ -49,7 +49,8 @@ from . import microgemm
 from .packed_conv import version_key
 from .standalone import KernelChooser, load_library, pointer, threads
 
-SOURCE = microgemm.SOURCE + r"""
+# The in-place tile (kcd_tile) reads six rows: the convolutions keep 6-row micro-panels.
+SOURCE = "#define KMG_MR 6\n" + microgemm.SOURCE + r"""
 /* ------------------------------------------------------------------ unpacked A */
 /* c[rows][w] (row stride ldc) (+)= A[rows][kc] @ Bp[kc][16] with A read in place (row stride
    lda): the 1x1 stride-1 convolution of a channels-last input, whose A is the input itself. */

@@ -1,4 +1,4 @@
-"""kiln's own float32 GEMM: packed panels, a 6x16 register micro-kernel, OpenMP.
+"""kiln's own float32 GEMM: packed panels, a 6x16 (AVX2) or 12x32 (AVX-512) register micro-kernel, OpenMP.
 
 ``C[M,N] = A[M,K] @ B[K,N]`` is computed the way high-performance BLAS libraries do it
 (Goto's algorithm), specialised for the shapes of inference (small M, weights known ahead):
@@ -9,21 +9,27 @@
   (a :class:`kiln.runtime.call_plan.PackStep` the cpu backend writes with
   :func:`kiln.backends.cpu.packing.write_panels`); other right operands are packed at
   every call into a scratch buffer (a cost of ``K*N`` copies beside ``M*K*N`` multiply-adds).
-* **A in micro-panels.**  Per ``KC x MC`` block, A is copied into 6-row micro-panels whose
-  6 values for one ``k`` are adjacent, so the micro-kernel broadcasts from one stream.
+* **A in micro-panels.**  Per ``KC x MC`` block, A is copied into ``MR``-row micro-panels
+  (6 rows, 12 with AVX-512) whose ``MR`` values for one ``k`` are adjacent, so the
+  micro-kernel broadcasts from one stream.
 * **The micro-kernel** keeps a 6x16 tile of C in twelve 8-wide registers (AVX2 + FMA: two
   loads and six broadcasts feed twelve fused multiply-adds per ``k``).  With AVX-512 a row
-  of the tile is one 16-wide register, and two adjacent panels are computed together (a
-  6x32 tile in twelve registers, enough independent multiply-adds to hide their latency);
-  the panel format is the same.  Without AVX2 a portable loop nest takes its place.
+  of the tile is one 16-wide register, two adjacent panels are computed together and a
+  micro-panel has 12 rows: a 12x32 tile in 24 of the 32 registers (two loads and twelve
+  broadcasts feed 24 multiply-adds per ``k``, enough independent ones to hide their
+  latency; the ``k`` loop is unrolled four times); the panel format is the same.  A 6x32
+  tile ran the GEMMs of GPT-2 and the MLP 10-17% slower on the Xeon below.  Without AVX2
+  a portable loop nest takes its place.
 * **Parallelism.**  Threads split the (panel, micro-panel) grid of each block statically;
   a thread's share is contiguous along the grid, so one B panel stays in its L1/L2 while
   the thread walks down the rows of A.  The packing of A is shared by the threads.
 
 On the 2-core AMD EPYC (Zen 2, AVX2) development machine this runs the GEMMs of GPT-2 small
 at ~185-190 GFLOP/s (2 threads), against ~120-135 GFLOP/s for torch's MKL ``sgemm``.  On a
-2-vCPU Intel Xeon with AVX-512 (one thread, GPT-2/MLP shapes, M = 64-512): 155-172 GFLOP/s
-with the AVX-512 tiles against 97-116 with the AVX2 ones and 135-197 for MKL.
+2-vCPU Intel Xeon with AVX-512 (GPT-2/MLP shapes, M = 64-512): one thread 177-211 GFLOP/s
+with the 12x32 tiles (172-191 with 6x32 ones, 97-116 with the AVX2 ones) against 129-222
+for MKL; two threads 358-412 GFLOP/s against 313-400 for MKL (sgemm peak, MKL at 3072^3:
+~439).
 
 The C lives in one standalone shared object (:func:`library`), built once per compiler and
 machine by the cpu backend's C toolchain and kept in the artifact cache (addressed by its
@@ -49,7 +55,8 @@ from .packing import write_panels
 NR = 16
 """Columns of a B panel (and of the micro-kernel's tile)."""
 MR = 6
-"""Rows of an A micro-panel (and of the micro-kernel's tile)."""
+"""Rows of an A micro-panel (and of the micro-kernel's tile) without AVX-512; 12 with it
+(``KMG_MR`` in the C, chosen by the compiler's target)."""
 
 SOURCE = r"""
 #include <stdlib.h>
@@ -61,14 +68,36 @@ SOURCE = r"""
 #define KMG_AVX512 1
 #endif
 #endif
+/* Rows of an A micro-panel: 12 with AVX-512 (a 12x32 tile in 24 of the 32 registers), else 6
+   (a 6x16 tile in 12 of AVX2's 16).  An includer may fix it first (the convolution kernels,
+   whose in-place tile reads six rows). */
+#ifndef KMG_MR
+#ifdef KMG_AVX512
+#define KMG_MR 12
+#else
 #define KMG_MR 6
+#endif
+#endif
 #define KMG_NR 16
 #define KMG_KC 256
+#if KMG_MR > 6
+#define KMG_MC 144
+#else
 #define KMG_MC 96
-/* fn1(...) .. fn6(...) by the row count of a tile (6: the full micro-panel) */
-#define KMG_BY_ROWS(fn, rows, ...) switch (rows) { \
-    case 1: fn##1(__VA_ARGS__); break; case 2: fn##2(__VA_ARGS__); break; case 3: fn##3(__VA_ARGS__); break; \
-    case 4: fn##4(__VA_ARGS__); break; case 5: fn##5(__VA_ARGS__); break; default: fn##6(__VA_ARGS__); break; }
+#endif
+/* fn1(...) .. fnMR(...) by the row count of a tile (KMG_MR: the full micro-panel) */
+#define KMG_CASES6(fn, ...) case 1: fn##1(__VA_ARGS__); break; case 2: fn##2(__VA_ARGS__); break; \
+    case 3: fn##3(__VA_ARGS__); break; case 4: fn##4(__VA_ARGS__); break; case 5: fn##5(__VA_ARGS__); break;
+#if KMG_MR == 12
+#define KMG_BY_ROWS(fn, rows, ...) switch (rows) { KMG_CASES6(fn, __VA_ARGS__) \
+    case 6: fn##6(__VA_ARGS__); break; case 7: fn##7(__VA_ARGS__); break; case 8: fn##8(__VA_ARGS__); break; \
+    case 9: fn##9(__VA_ARGS__); break; case 10: fn##10(__VA_ARGS__); break; case 11: fn##11(__VA_ARGS__); break; \
+    default: fn##12(__VA_ARGS__); break; }
+#elif KMG_MR == 6
+#define KMG_BY_ROWS(fn, rows, ...) switch (rows) { KMG_CASES6(fn, __VA_ARGS__) default: fn##6(__VA_ARGS__); break; }
+#else
+#error "KMG_MR must be 6 or 12"
+#endif
 #ifdef KMG_AVX512
 #define KMG_STEP 2
 #else
@@ -106,11 +135,17 @@ void kiln_mgemm_pack_b(long K, long N, const float *B, long sk, long sn, float *
 #define KMG_ROWS4(X) X(0) X(1) X(2) X(3)
 #define KMG_ROWS5(X) X(0) X(1) X(2) X(3) X(4)
 #define KMG_ROWS6(X) X(0) X(1) X(2) X(3) X(4) X(5)
+#define KMG_ROWS7(X) KMG_ROWS6(X) X(6)
+#define KMG_ROWS8(X) KMG_ROWS7(X) X(7)
+#define KMG_ROWS9(X) KMG_ROWS8(X) X(8)
+#define KMG_ROWS10(X) KMG_ROWS9(X) X(9)
+#define KMG_ROWS11(X) KMG_ROWS10(X) X(10)
+#define KMG_ROWS12(X) KMG_ROWS11(X) X(11)
 #define KMG_TILE(R) \
 static inline void kmg_tile##R(long kc, const float *ap, const float *bp, float *c, long ldc, int acc) { \
   KMG_ROWS##R(KMG_DECL) \
   if (acc) { KMG_ROWS##R(KMG_LOAD1) } \
-  for (long k = 0; k < kc; k++) { \
+  _Pragma("GCC unroll 4") for (long k = 0; k < kc; k++) { \
     __m512 b0 = _mm512_loadu_ps(bp); \
     KMG_ROWS##R(KMG_FMA1) \
     ap += KMG_MR; bp += KMG_NR; \
@@ -121,7 +156,7 @@ static inline void kmg_pair##R(long kc, const float *ap, const float *bp, const 
                                int acc) { \
   KMG_ROWS##R(KMG_DECL) \
   if (acc) { KMG_ROWS##R(KMG_LOAD2) } \
-  for (long k = 0; k < kc; k++) { \
+  _Pragma("GCC unroll 4") for (long k = 0; k < kc; k++) { \
     __m512 b0 = _mm512_loadu_ps(bp), b1 = _mm512_loadu_ps(bq); \
     KMG_ROWS##R(KMG_FMA2) \
     ap += KMG_MR; bp += KMG_NR; bq += KMG_NR; \
@@ -129,6 +164,9 @@ static inline void kmg_pair##R(long kc, const float *ap, const float *bp, const 
   KMG_ROWS##R(KMG_STORE2) \
 }
 KMG_TILE(1) KMG_TILE(2) KMG_TILE(3) KMG_TILE(4) KMG_TILE(5) KMG_TILE(6)
+#if KMG_MR == 12
+KMG_TILE(7) KMG_TILE(8) KMG_TILE(9) KMG_TILE(10) KMG_TILE(11) KMG_TILE(12)
+#endif
 static inline void kmg_tile(long rows, long kc, const float *ap, const float *bp, float *c, long ldc, int acc) {
   KMG_BY_ROWS(kmg_tile, rows, kc, ap, bp, c, ldc, acc)
 }
