@@ -182,6 +182,31 @@ def test_pooling_forward(name, one_torch_thread):
     check_forward(Fn(lambda x, m: fn(x)), _inputs(shape))
 
 
+CHANNELS_LAST_POOLS = {
+    "max": lambda y: F.max_pool2d(y, 3, 2, 1),
+    "max_ceil": lambda y: F.max_pool2d(y, 2, 2, ceil_mode=True),
+    "avg": lambda y: F.avg_pool2d(y, 3, 2, 1, count_include_pad=False),
+}
+
+
+@pytest.mark.parametrize("channels", [1, 3, 17, 64])
+@pytest.mark.parametrize("pool", list(CHANNELS_LAST_POOLS))
+def test_pooling_between_channels_last_convolutions_runs_along_the_channels(pool, channels, one_torch_thread):
+    """conv -> pool -> conv on the cpu backend: the pooling reads and writes channels-last
+    (the convolutions' layout).  Its kernel writes the result in place with permuted axes and
+    its default schedule moves the channel loop innermost, below the window loops
+    (interchange, fission, interchange, vectorize); results match eager at odd sizes."""
+    fn = CHANNELS_LAST_POOLS[pool]
+    model = Fn(lambda x, m: m.b(fn(m.a(x))), a=nn.Conv2d(3, channels, 3, padding=1), b=nn.Conv2d(channels, 5, 1))
+    x = _inputs((2, 3, 9, 11))
+    check_forward(model, x, backends=("cpu",))
+    compiled = kiln.compile(model.eval(), (x,), backend="cpu", strict=True)
+    pools = [trace for label, trace in compiled.executable.info["schedules"].items() if "pool" in label]
+    assert len(pools) == 1, compiled.executable.info["schedules"]
+    moved = [step["primitive"] for step in pools[0]][:4] == ["interchange", "interchange", "fission", "interchange"]
+    assert moved == (channels > 1)  # one channel: no channel loop to move
+
+
 @pytest.mark.parametrize("name", ["max_pool1d", "max_pool3d", "avg_pool3d_divisor", "adaptive_max_pool3d"])
 def test_pooling_gradients(name, one_torch_thread):
     fn, shape = POOL[name]

@@ -211,6 +211,28 @@ program sum_exp() {
 }"""
 
 
+def test_a_permuted_reduction_result_is_written_in_place_with_its_axes_permuted():
+    """``permute(max_pool2d(x))`` (a pooling whose reader wants it channels-last): the
+    reduction writes the result buffer directly, axes permuted, with no local stage and no
+    copy nest; a reduction result read again by another result keeps working."""
+    body = Graph("pool_nhwc")
+    x = body.add_input("x", T(1, 5, 7, 6))
+    pooled = body.op("max_pool2d", x, kernel=[3, 3], stride=[2, 2], padding=[1, 1])
+    body.set_outputs([body.op("permute", pooled, dims=[0, 2, 3, 1])])
+    kernel = _lower_and_check(_fused(body, "reduction", ["out"]), [rand(1, 5, 7, 6)])
+    assert [b.name for b in kernel.program.buffers] == ["x", "out"]
+    stores = [s for s in kernel.program.statements() if isinstance(s, (Store, Reduce))]
+    assert {s.buffer for s in stores} == {"out"}
+    assert all(s.indices[-1] == Var(kernel.program.body[0].iterator) for s in stores)  # the channel loop
+
+    body = Graph("pool_twice")
+    x = body.add_input("x", T(2, 3, 4, 5))
+    pooled = body.op("sum", x, dims=(3,))
+    body.set_outputs([body.op("permute", pooled, dims=[2, 0, 1]), body.op("neg", pooled)])
+    kernel = _lower_and_check(_fused(body, "reduction", ["out", "negated"]), [rand(2, 3, 4, 5)])
+    assert [b.name for b in kernel.program.buffers] == ["x", "out", "negated"]
+
+
 def test_softmax_stages_share_the_row_loop():
     g = Graph()
     node = g.add_node("softmax", [g.add_input("x", T(3, 7))], {"dim": -1}, names=["p"])

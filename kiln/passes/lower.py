@@ -40,6 +40,11 @@ Guarantees:
   Nothing else is reordered: loops are serial and unannotated, reductions run their
   reduced axes innermost in increasing order.  Schedules are the backend's business
   (``kiln.loops.Schedule`` checks each of them).
+* Layouts follow the readers: a result that is an axis permutation of a reduction stage
+  (``permute(max_pool2d(x))``, a pooling written channels-last) is written by that stage in
+  place, axes permuted, with no local buffer and no copy; a local stage that every load
+  reads by loop iterators in one permuted order is laid out in that order (its writes are
+  permuted instead).  Buffer contents never change, only where a cell lives.
 * Loop bounds are affine (or quasi-affine: ``floordiv`` by constants), so every program is
   accepted by ``kiln.loops.Schedule``; data-dependent indices (gather, embedding) are loads
   in index position, which the polyhedral model treats as may-accesses.
@@ -141,18 +146,23 @@ def lower_node(node: Node) -> LoweredKernel:
         results = apply_rule(builder, node.op, [builder.tensor_of(n) for n in inputs], node.attrs,
                              [v.type for v in node.outputs], node.outputs[0].name)
         aliases: dict[str, str] = {}
+        permuted: dict[str, tuple[str, tuple[int, ...]]] = {}
         for name, t in zip(outputs, results):
             local = builder.buffers.get(t.buffer) if t.buffer else None
             if local is not None and local.scope == "local" and t.buffer not in aliases and local.dtype == t.dtype:
                 aliases[t.buffer] = name  # the stage writes the result buffer directly
+            elif (view := _permuted_stage(builder, t)) is not None and view[0] not in aliases \
+                    and view[0] not in permuted:
+                permuted[view[0]] = (name, view[1])  # the stage writes the result buffer, axes permuted
             else:
                 builder.store(name, t)  # element functions run here: errors of lazy rules too
     except (TypeError, ValueError) as e:  # a rule doing arithmetic a symbolic size does not allow
         if not node_sizes(node):
             raise
         raise LoweringError(f"{node.op_name}: its compute rule needs concrete sizes here ({e})") from e
-    body = rename_buffers(fuse_nests(builder.nests), aliases)
-    kept = [b for b in builder.buffers.values() if b.name not in aliases]
+    body = permute_buffers(rename_buffers(fuse_nests(builder.nests), aliases), permuted)
+    kept = [b for b in builder.buffers.values() if b.name not in aliases and b.name not in permuted]
+    body, kept = _read_order_layouts(body, kept)
     order = {name: k for k, name in enumerate([*inputs, *builder.constants, *outputs])}
     kept.sort(key=lambda b: (b.scope != "global", order.get(b.name, len(order))))
     name = node.attrs["body"].name if node.op_name == "fused" else f"{node.op_name}_{node.outputs[0].name}"
@@ -160,6 +170,115 @@ def lower_node(node: Node) -> LoweredKernel:
     program = Program(sanitize(name), params, tuple(kept), tuple(body))
     template = node.attrs["template"] if node.op_name == "fused" else node_class(node)
     return LoweredKernel(program, inputs, outputs, template, dict(builder.constants))
+
+
+_PROBE = "_axis"
+
+
+def _permuted_stage(builder: KernelBuilder, t) -> tuple[str, tuple[int, ...]] | None:
+    """``(stage, perm)`` when result ``t`` is an axis permutation of a local stage buffer of
+    its dtype: ``t[p] == stage[p[perm[0]], ..., p[perm[-1]]]`` (a ``permute`` of a reduction
+    result, as a channels-last pooling writes it).  The stage then writes the result buffer
+    with its axes permuted, and no copy of it is made."""
+    if t.buffer is not None or t.rank < 2:
+        return None
+    probe = tuple(Var(f"{_PROBE}{i}") for i in range(t.rank))
+    e = t[probe]
+    local = builder.buffers.get(e.buffer) if isinstance(e, Load) else None
+    if local is None or local.scope != "local" or local.dtype != t.dtype or len(e.indices) != t.rank:
+        return None
+    perm = []
+    for i in e.indices:
+        if not (isinstance(i, Var) and i.name.startswith(_PROBE) and i.name[len(_PROBE):].isdigit()):
+            return None
+        perm.append(int(i.name[len(_PROBE):]))
+    if sorted(perm) != list(range(t.rank)) or perm == sorted(perm):
+        return None
+    dims = builder.dims.get(e.buffer)
+    if dims is None or any(dims[j] != t.shape[perm[j]] for j in range(t.rank)):
+        return None
+    return e.buffer, tuple(perm)
+
+
+def permute_buffers(nodes: Iterable[LoopNode], mapping: Mapping[str, tuple[str, tuple[int, ...]]]) -> list[LoopNode]:
+    """``nodes`` with every access ``a[i_0, ..., i_n]`` of a buffer ``a`` in ``mapping``
+    (``a -> (b, perm)``) going to ``b[j]`` with ``j[perm[k]] = i_k``: ``a`` stored in ``b``'s
+    memory with its axes permuted."""
+    if not mapping:
+        return list(nodes)
+
+    def moved(buffer: str, indices: tuple[Expr, ...]) -> tuple[str, tuple[Expr, ...]]:
+        target, perm = mapping[buffer]
+        out: list[Expr] = [Var("_")] * len(perm)
+        for k, j in enumerate(perm):
+            out[j] = indices[k]
+        return target, tuple(out)
+
+    def fn(e: Expr) -> Expr:
+        return map_expr(e, lambda s: Load(*moved(s.buffer, s.indices))
+                        if isinstance(s, Load) and s.buffer in mapping else None)
+
+    return [_move_writes(n, mapping, moved) for n in _map_nodes(nodes, fn, {})]
+
+
+def _move_writes(n: LoopNode, mapping: Mapping, moved: Callable) -> LoopNode:
+    """``n`` with its stores and reductions into a buffer of ``mapping`` moved (``permute_buffers``)."""
+    if isinstance(n, Loop):
+        return replace(n, body=tuple(_move_writes(c, mapping, moved) for c in n.body))
+    if isinstance(n, If):
+        return replace(n, then=tuple(_move_writes(c, mapping, moved) for c in n.then),
+                       orelse=tuple(_move_writes(c, mapping, moved) for c in n.orelse))
+    if n.buffer in mapping:
+        buffer, indices = moved(n.buffer, n.indices)
+        return replace(n, buffer=buffer, indices=indices)
+    return n
+
+
+def _read_order_layouts(body: list[LoopNode], buffers: list) -> tuple[list[LoopNode], list]:
+    """Lay out each local stage buffer in the order its readers walk it: when every load of
+    it indexes it by distinct loop iterators, in one and the same permutation of the loop
+    nesting order (an epilogue writing a channels-last result from an NCHW reduction
+    stage), its axes are permuted so that those loads read it in nesting order; its writes
+    follow (:func:`permute_buffers`)."""
+    orders: dict[str, set[tuple[int, ...] | None]] = {}
+
+    def visit(nodes: Iterable[LoopNode], depth: dict[str, int]) -> None:
+        for n in nodes:
+            if isinstance(n, Loop):
+                visit(n.body, {**depth, n.iterator: len(depth)})
+            elif isinstance(n, If):
+                visit(n.then, depth)
+                visit(n.orelse, depth)
+            else:
+                for e in (n.value, *n.indices):
+                    for ld in loads_of(e):
+                        orders.setdefault(ld.buffer, set()).add(_nesting_order(ld.indices, depth))
+
+    visit(body, {})
+    mapping: dict[str, tuple[str, tuple[int, ...]]] = {}
+    out = []
+    for b in buffers:
+        seen = orders.get(b.name, set())
+        if b.scope == "local" and len(seen) == 1 and (perm := next(iter(seen))) is not None \
+                and list(perm) != sorted(perm):
+            shape: list = [None] * len(perm)
+            for k, j in enumerate(perm):
+                shape[j] = b.shape[k]
+            mapping[b.name] = (b.name, perm)
+            b = replace(b, shape=tuple(shape))
+        out.append(b)
+    return permute_buffers(body, mapping), out
+
+
+def _nesting_order(indices: tuple[Expr, ...], depth: Mapping[str, int]) -> tuple[int, ...] | None:
+    """For indices that are distinct loop iterators, each one's rank in nesting order; else None."""
+    if len(indices) < 2 or not all(isinstance(i, Var) and i.name in depth for i in indices):
+        return None
+    names = [i.name for i in indices]
+    if len(set(names)) != len(names):
+        return None
+    ranked = sorted(names, key=depth.__getitem__)
+    return tuple(ranked.index(n) for n in names)
 
 
 def node_sizes(node: Node) -> frozenset[str]:

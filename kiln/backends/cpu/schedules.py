@@ -15,6 +15,13 @@ Strategies (``kind`` is the kernel template of the fused node, see :mod:`kiln.ir
 * ``reduction`` and normalizations (softmax, layer norm): the same; reduction loops cannot
   be marked (they carry the reduction), and the C printer accumulates them in registers
   with vectorized partial sums.
+* any other kernel whose reduction cells are contiguous along an output loop that the
+  reduced loops read across (a pooling window over a channels-last input:
+  ``out[h][w][c] max= x[2h+i][2w+j][c]`` with ``c`` outside ``i, j``): before the steps
+  above, that loop is moved innermost of the output loops (``interchange``) and then below
+  the reduction loops (``fission`` of the initialization, ``interchange``), so it runs along
+  the contiguous axis and vectorizes (ResNet-18's channels-last 3x3 max pooling: 1.6 ->
+  0.05 ms).
 * ``matmul`` and ``conv`` when generated instead of a library call: the same, and the
   innermost output loop is moved below the reduction loops (``fission`` of the
   initialization, ``interchange``), ``vectorized`` along the output row, and tiled with
@@ -36,11 +43,12 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from kiln.ir.errors import IllegalTransformError, KilnError, ScheduleError
+from kiln.ir.loops.expr import Load, Var, free_vars, walk
 from kiln.ir.loops.program import If, Loop, Program
 
 from ..common.records import RecordStore, machine_key, store_for, structural_key
@@ -143,13 +151,16 @@ def strategy_schedule(program: Program, kind: str, *, threads: int = 2,
         return ScheduledKernel(program, notes=[f"unscheduled: {e}"])
     notes: list[str] = []
     parallel: set[str] = set()
+    if kind not in ("matmul", "conv") and _sink_strided_reductions(schedule, program, notes):
+        program = schedule.program(name=program.name)
     for nest in (n for n in program.body if isinstance(n, Loop)):
         if threads > 1:
             parallel |= _mark_parallel(schedule, nest, notes, size_hint)
     if kind in ("matmul", "conv"):
         _sink_output_loops(schedule, program, parallel, notes)
+    vectorized = {step["args"]["loop"] for step in schedule.trace if step["primitive"] == "vectorize"}
     for loop in _innermost_loops(program.body):
-        if loop.name not in parallel:
+        if loop.name not in parallel and loop.name not in vectorized:
             _try(schedule, notes, "vectorize", loop=loop.name)
     if not schedule.trace:
         return ScheduledKernel(program, notes=notes)
@@ -194,16 +205,88 @@ def _sink_output_loops(schedule: Any, program: Program, parallel: set[str], note
         chain = [nest]
         while (inner := _only_loop(chain[-1])) is not None:
             chain.append(inner)
-        if not _try(schedule, notes, "fission", loop=loop.name, split_before_child=nest.name):
+        if _sink(schedule, loop, nest, notes):
+            last = chain[-1]
+            extents = (_const_extent(last), _const_extent(loop))
+            moved = _moved_name(schedule, loop)
+            if all(e is not None and e > size for e, size in zip(extents, MATMUL_TILE)):
+                _try(schedule, notes, "tile", loops=[last.name, moved], sizes=list(MATMUL_TILE))
+
+
+def _moved_name(schedule: Any, loop: Loop) -> str:
+    return next(name for name in reversed(schedule.loops()) if name.startswith(loop.name + "_b"))
+
+
+def _sink(schedule: Any, loop: Loop, nest: Loop, notes: list[str]) -> bool:
+    """``for j { init; nest }`` -> ``for j { init }  for k... { for j_b { ... } }``: fission
+    before the reduction ``nest``, then the second copy of ``j`` interchanged below each of
+    the nest's loops and vectorized.  Whether every step applied."""
+    chain = [nest]
+    while (inner := _only_loop(chain[-1])) is not None:
+        chain.append(inner)
+    if not _try(schedule, notes, "fission", loop=loop.name, split_before_child=nest.name):
+        return False
+    moved = _moved_name(schedule, loop)
+    if not all(_try(schedule, notes, "interchange", a=moved, b=r.name) for r in chain):
+        return False
+    _try(schedule, notes, "vectorize", loop=moved)
+    return True
+
+
+def _sink_strided_reductions(schedule: Any, program: Program, notes: list[str]) -> bool:
+    """Reductions whose cells are contiguous along an output loop that their reduced loops
+    read across (a pooling window over a channels-last input: ``out[h][w][c] max= x[2h+i][2w+j][c]``
+    with the loops ``c, h, w`` outside ``i, j``): that output loop is moved innermost of the
+    output loops (``interchange``) and then below the reduction loops (as matmul-like nests,
+    :func:`_sink`), so the innermost loop runs along the contiguous axis and vectorizes.
+    Whether any nest changed."""
+    changed = False
+    for outer in _cell_chains(program.body, []):
+        last = outer[-1]
+        init, nest = last.body
+        cells = reduction_cells(nest)
+        if cells is None or len(cells) != 1 or not init.indices:
             continue
-        moved = next(name for name in reversed(schedule.loops()) if name.startswith(loop.name + "_b"))
-        if not all(_try(schedule, notes, "interchange", a=moved, b=r.name) for r in chain):
+        contiguous = init.indices[-1]
+        iterators = [loop.iterator for loop in outer]
+        if not isinstance(contiguous, Var) or contiguous.name not in iterators[:-1]:
             continue
-        _try(schedule, notes, "vectorize", loop=moved)
-        last = chain[-1]
-        extents = (_const_extent(last), _const_extent(loop))
-        if all(e is not None and e > size for e, size in zip(extents, MATMUL_TILE)):
-            _try(schedule, notes, "tile", loops=[last.name, moved], sizes=list(MATMUL_TILE))
+        if not _reads_along(nest, contiguous.name):
+            continue
+        at = iterators.index(contiguous.name)
+        target = outer[at]
+        if not all(_try(schedule, notes, "interchange", a=target.name, b=loop.name) for loop in outer[at + 1:]):
+            continue
+        rotated = replace(target, body=last.body)
+        changed |= _sink(schedule, rotated, nest, notes)
+    return changed
+
+
+def _cell_chains(body: tuple[Any, ...], chain: list[Loop]) -> Iterator[list[Loop]]:
+    """Each loop whose body is ``[initialization, reduction nest]``, with the perfectly nested
+    loops around it (outer to inner, itself last)."""
+    for n in body:
+        if not isinstance(n, Loop):
+            continue
+        here = [*chain, n] if len(body) == 1 else [n]
+        if len(n.body) == 2 and isinstance(n.body[1], Loop) and not isinstance(n.body[0], (Loop, If)):
+            yield here
+        else:
+            yield from _cell_chains(n.body, here)
+
+
+def _reads_along(nest: Loop, iterator: str) -> bool:
+    """Whether every buffer the reduction ``nest`` reads has ``iterator`` in its last index
+    and the innermost reduced loop's iterator in none of its last indices."""
+    chain = [nest]
+    while (inner := _only_loop(chain[-1])) is not None:
+        chain.append(inner)
+    innermost = chain[-1].iterator
+    loads = [e for s in chain[-1].body if not isinstance(s, (Loop, If)) for e in walk(s.value) if isinstance(e, Load)]
+    if not loads:
+        return False
+    return all(e.indices and iterator in free_vars(e.indices[-1]) and innermost not in free_vars(e.indices[-1])
+               for e in loads)
 
 
 def _hinted_work(body: tuple[Any, ...], hint: dict[str, int]) -> int | None:
