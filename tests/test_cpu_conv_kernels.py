@@ -67,6 +67,18 @@ def test_large_gemm_crosses_blocks():
     _check(1, 300, 20, 20, 33, 1, seed=2, channels_last=True)  # K = 300: two blocks of K
 
 
+@pytest.mark.parametrize("cout", [32, 48, 64, 1000])
+def test_gemm_tiles_of_two_panels(cout):
+    """Output channels filling pairs of 16-column panels (the 12x32 AVX-512 tiles), beside a
+    single panel (48) and an edge panel (1000), with last micro-panels of fewer rows, packed
+    (k x k) and in place (1x1 of a channels-last input, rows in chunks of six, K > 256 for
+    the accumulating blocks)."""
+    _check(1, 40, 5, 7, cout, 1, channels_last=True)                 # M = 35: rows 12 + 12 + 11
+    _check(1, 300, 3, 9, cout, 1, channels_last=True, bias=False)    # M = 27, K = 300
+    _check(2, 5, 9, 11, cout, 3, padding=1)                           # M = 198 > one 144-row block
+    _check(1, 3, 13, 13, cout, 7, stride=2, padding=3)                # a stem: M = 49, K = 147
+
+
 @pytest.mark.parametrize("size", [1, 3, 17])
 @pytest.mark.parametrize("k,stride,padding,dilation", [(3, 1, 1, 1), (3, 2, 1, 1), (5, 1, 2, 1), (3, 1, 2, 2)])
 def test_depthwise_odd_sizes(size, k, stride, padding, dilation):

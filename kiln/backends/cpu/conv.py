@@ -10,13 +10,15 @@ through convolution chains (:mod:`.partition`):
   the weight, ``K x Cout`` with ``K = C*KH*KW``, is the B operand in 16-column panels (packed
   once, again only when the parameter changes); the A operand is never materialized.  For a
   1x1 stride-1 convolution of a contiguous channels-last input, A *is* the input (``M x C``,
-  row stride ``C``) and the micro-kernel broadcasts from six input rows in place, with no
-  packing at all; otherwise the
-  packing of each ``256 x 96`` block of A into 6-row micro-panels -- which every GEMM of
-  :mod:`.microgemm` does -- reads the input windows directly (per-block tables of the
+  row stride ``C``) and the micro-kernel broadcasts from six input rows in place (a 6x16
+  tile with AVX2, a 6x32 one over two panels with AVX-512), with no packing at all;
+  otherwise the packing of each block of A into micro-panels -- which every GEMM of
+  :mod:`.microgemm` does (``256 x 96`` blocks of 6 rows, ``256 x 144`` blocks of 12 rows
+  with AVX-512) -- reads the input windows directly (per-block tables of the
   ``k -> (c, kh, kw)`` offsets; zeros where padding is read), so there is no im2col copy.  The
-  6x16 register micro-kernel is :mod:`.microgemm`'s (its C source is included); the bias is
-  added to each tile right after its last store, while the tile is in cache.
+  register micro-kernels (6x16; 12x32 over pairs of panels with AVX-512) are
+  :mod:`.microgemm`'s (its C source is included); the bias is added to each tile right
+  after its last store, while the tile is in cache.
 * **Depthwise convolution** (``groups = C_in = C_out``; ``kiln_conv_dw_f32``): a direct loop
   on channels-last input, 4 output pixels x 16 channels in registers (eight 8-wide
   accumulators), the taps walked with the weight reordered once to ``[KH][KW][C]`` so that
@@ -49,9 +51,9 @@ from . import microgemm
 from .packed_conv import version_key
 from .standalone import KernelChooser, load_library, pointer, threads
 
-# The in-place tile (kcd_tile) reads six rows: the convolutions keep 6-row micro-panels.
-SOURCE = "#define KMG_MR 6\n" + microgemm.SOURCE + r"""
+SOURCE = microgemm.SOURCE + r"""
 /* ------------------------------------------------------------------ unpacked A */
+#define KCD_ROWS 6
 /* c[rows][w] (row stride ldc) (+)= A[rows][kc] @ Bp[kc][16] with A read in place (row stride
    lda): the 1x1 stride-1 convolution of a channels-last input, whose A is the input itself. */
 static void kcd_tile(long kc, const float *a, long lda, long rows, const float *bp, float *c, long ldc, int acc,
@@ -59,12 +61,12 @@ static void kcd_tile(long kc, const float *a, long lda, long rows, const float *
   const float *r0 = a, *r1 = a + (rows > 1 ? 1 : 0) * lda, *r2 = a + (rows > 2 ? 2 : 0) * lda;
   const float *r3 = a + (rows > 3 ? 3 : 0) * lda, *r4 = a + (rows > 4 ? 4 : 0) * lda;
   const float *r5 = a + (rows > 5 ? 5 : 0) * lda;
-  float t[KMG_MR * KMG_NR];
-  int direct = rows == KMG_MR && w == KMG_NR;
+  float t[KCD_ROWS * KMG_NR];
+  int direct = rows == KCD_ROWS && w == KMG_NR;
   float *dst = direct ? c : t;
   long ldd = direct ? ldc : KMG_NR;
   if (!direct)
-    for (long r = 0; r < KMG_MR; r++)
+    for (long r = 0; r < KCD_ROWS; r++)
       for (long j = 0; j < KMG_NR; j++) t[r * KMG_NR + j] = (acc && r < rows && j < w) ? c[r * ldc + j] : 0.0f;
 #ifdef KMG_AVX2
   __m256 c00, c01, c10, c11, c20, c21, c30, c31, c40, c41, c50, c51;
@@ -95,15 +97,38 @@ static void kcd_tile(long kc, const float *a, long lda, long rows, const float *
   _mm256_storeu_ps(dst + 4 * ldd, c40); _mm256_storeu_ps(dst + 4 * ldd + 8, c41);
   _mm256_storeu_ps(dst + 5 * ldd, c50); _mm256_storeu_ps(dst + 5 * ldd + 8, c51);
 #else
-  const float *rp[KMG_MR] = {r0, r1, r2, r3, r4, r5};
+  const float *rp[KCD_ROWS] = {r0, r1, r2, r3, r4, r5};
   for (long k = 0; k < kc; k++)
-    for (long r = 0; r < KMG_MR; r++)
+    for (long r = 0; r < KCD_ROWS; r++)
       for (long j = 0; j < KMG_NR; j++) dst[r * ldd + j] += rp[r][k] * bp[k * KMG_NR + j];
 #endif
   if (!direct)
     for (long r = 0; r < rows; r++)
       for (long j = 0; j < w; j++) c[r * ldc + j] = t[r * KMG_NR + j];
 }
+
+#ifdef KMG_AVX512
+/* c[rows][32] (row stride ldc) (+)= A[rows][kc] @ [Bp | Bq] with A read in place (row stride
+   lda), rows <= 6: two adjacent full panels in twelve 16-wide accumulators (rows past
+   `rows` read row 0 again and are not stored). */
+#define KCD_DECL(r) const float *a##r = a + (rows > r ? r : 0) * lda; __m512 c##r##0, c##r##1;
+#define KCD_START(r) if (acc && r < rows) { c##r##0 = _mm512_loadu_ps(c + r * ldc); \
+    c##r##1 = _mm512_loadu_ps(c + r * ldc + 16); } else { c##r##0 = _mm512_setzero_ps(); c##r##1 = c##r##0; }
+#define KCD_FMA(r) { __m512 v = _mm512_set1_ps(a##r[k]); c##r##0 = _mm512_fmadd_ps(v, b0, c##r##0); \
+    c##r##1 = _mm512_fmadd_ps(v, b1, c##r##1); }
+#define KCD_STORE(r) if (r < rows) { _mm512_storeu_ps(c + r * ldc, c##r##0); _mm512_storeu_ps(c + r * ldc + 16, c##r##1); }
+static void kcd_pair(long kc, const float *a, long lda, long rows, const float *bp, const float *bq, float *c,
+                     long ldc, int acc) {
+  KMG_ROWS6(KCD_DECL)
+  KMG_ROWS6(KCD_START)
+  _Pragma("GCC unroll 4") for (long k = 0; k < kc; k++) {
+    __m512 b0 = _mm512_loadu_ps(bp), b1 = _mm512_loadu_ps(bq);
+    KMG_ROWS6(KCD_FMA)
+    bp += KMG_NR; bq += KMG_NR;
+  }
+  KMG_ROWS6(KCD_STORE)
+}
+#endif
 
 /* ------------------------------------------------------------------ convolution as GEMM */
 /* out[M][Cout] (+ bias) = A @ Bp with A(m, kk) = x[n, c, oh*sh - ph + kh*dh, ow*sw - pw + kw*dw]
@@ -169,20 +194,39 @@ int kiln_conv_gemm_f32(long N, long C, long H, long W, long OH, long OW, long KH
           }
         }
         int last = pc + kc >= K;
+        /* units of KMG_STEP panels (two adjacent full panels in one tile with AVX-512) */
+        long units = (panels + KMG_STEP - 1) / KMG_STEP;
         #pragma omp for collapse(2) schedule(static)
-        for (long p = 0; p < panels; p++) {
+        for (long u = 0; u < units; u++) {
           for (long ib = 0; ib < blocks; ib++) {
-            const float *bp = Bp + p * K * KMG_NR + pc * KMG_NR;
             const float *ap = work + ib * KMG_MR * kc;
-            long n0 = p * KMG_NR, w = Cout - n0 < KMG_NR ? Cout - n0 : KMG_NR;
             long m0 = ic + ib * KMG_MR, rows = mc - ib * KMG_MR < KMG_MR ? mc - ib * KMG_MR : KMG_MR;
-            float *c = out + m0 * Cout + n0;
-            if (inplace) kcd_tile(kc, x + m0 * C + pc, C, rows, bp, c, Cout, pc > 0, w);
-            else if (w == KMG_NR) kmg_tile(rows, kc, ap, bp, c, Cout, pc > 0);
-            else kmg_edge(kc, ap, bp, c, Cout, pc > 0, rows, w);
-            if (last && bias)
-              for (long r = 0; r < rows; r++)
-                for (long j = 0; j < w; j++) c[r * Cout + j] += bias[n0 + j];
+            for (long p = u * KMG_STEP; p < panels && p < (u + 1) * KMG_STEP;) {
+              const float *bp = Bp + p * K * KMG_NR + pc * KMG_NR;
+              long n0 = p * KMG_NR, w = Cout - n0 < KMG_NR ? Cout - n0 : KMG_NR;
+              float *c = out + m0 * Cout + n0;
+#ifdef KMG_PAIRS
+              if (p + 1 < panels && Cout - (p + 1) * KMG_NR >= KMG_NR) {
+                if (inplace)
+                  for (long r0 = 0; r0 < rows; r0 += 6)
+                    kcd_pair(kc, x + (m0 + r0) * C + pc, C, rows - r0 < 6 ? rows - r0 : 6, bp, bp + K * KMG_NR,
+                             c + r0 * Cout, Cout, pc > 0);
+                else
+                  kmg_pair(rows, kc, ap, bp, bp + K * KMG_NR, c, Cout, pc > 0);
+                w = 2 * KMG_NR;
+              } else
+#endif
+              if (inplace) {
+                for (long r0 = 0; r0 < rows; r0 += 6)
+                  kcd_tile(kc, x + (m0 + r0) * C + pc, C, rows - r0 < 6 ? rows - r0 : 6, bp, c + r0 * Cout, Cout,
+                           pc > 0, w);
+              } else if (w == KMG_NR) kmg_tile(rows, kc, ap, bp, c, Cout, pc > 0);
+              else kmg_edge(kc, ap, bp, c, Cout, pc > 0, rows, w);
+              if (last && bias)
+                for (long r = 0; r < rows; r++)
+                  for (long j = 0; j < w; j++) c[r * Cout + j] += bias[n0 + j];
+              p += w > KMG_NR ? 2 : 1;
+            }
           }
         }
       }
