@@ -493,6 +493,35 @@ def test_gemm_tuner_times_each_shape_once(tmp_path):
     assert again.choose(tiny).provider == "mkl" and again.timed == 0
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_batch_of_small_gemms_is_split_by_entry_across_threads(threads):
+    """With several threads, the entries of a batch of small GEMMs (attention's score and
+    value products) run in parallel, one thread each; one thread, one entry or big entries
+    keep the plain loop.  Results match eager at odd sizes, with a fused epilogue, a
+    broadcast operand and the kiln GEMM provider too."""
+    from kiln.backends.cpu.gemm import PARALLEL_BATCH_MAX_FLOPS, GemmTuner, gemm_function, gemm_spec
+
+    tuner = GemmTuner(None, "machine", threads)
+    small = gemm_spec(torch.randn(6, 17, 9), torch.randn(6, 9, 33), ir.DType.float32)
+    assert tuner.choose(small).parallel_batch == (threads > 1)
+    assert ("omp parallel for" in gemm_function("g", tuner.choose(small))) == (threads > 1)
+    big = 1 + int(PARALLEL_BATCH_MAX_FLOPS ** (1 / 3))
+    large = gemm_spec(torch.randn(2, big, big), torch.randn(2, big, big), ir.DType.float32)
+    assert not tuner.choose(large).parallel_batch
+    single = gemm_spec(torch.randn(1, 17, 9), torch.randn(1, 9, 33), ir.DType.float32)
+    assert not tuner.choose(single).parallel_batch
+
+    def attention_like(q, k, v):
+        return torch.relu(q @ k.transpose(-1, -2)) @ v + 1.0
+
+    q, k, v = torch.randn(3, 5, 17, 9), torch.randn(3, 5, 13, 9), torch.randn(3, 5, 13, 7)
+    compiled = kiln.compile(attention_like, (q, k, v), backend="cpu", threads=threads)
+    torch.testing.assert_close(compiled(q, k, v), attention_like(q, k, v), rtol=1e-4, atol=1e-4)
+    shared = torch.randn(9, 11)  # broadcast right operand
+    f = kiln.compile(lambda a: torch.tanh(a @ shared), (q,), backend="cpu", threads=threads)
+    torch.testing.assert_close(f(q), torch.tanh(q @ shared), rtol=1e-4, atol=1e-4)
+
+
 def test_prepacked_conv_weights_follow_in_place_updates():
     exe = get_backend("cpu").build(ir.parse("""
 graph @pc(%x: f32[1, 8, 9, 9]) params(%w: f32[8, 8, 3, 3]) {

@@ -62,6 +62,11 @@ KILN_PROVIDER = "kiln"
 _INDEX = {"mkl": ("int", ctypes.c_int), "openblas": ("long", ctypes.c_long)}
 TUNE_MIN_FLOPS = 4e6
 """GEMMs with fewer flops use MKL without timing (its small-shape paths are the faster)."""
+PARALLEL_BATCH_MAX_FLOPS = 16e6
+"""With several threads, a batch of GEMMs with at most this many flops each (attention's
+``(heads, seq, d) @ (heads, d, seq)``) runs its entries in parallel, one thread each: a
+small GEMM split between threads spends much of its time synchronizing them (measured on
+the 2-layer GPT-2 training step: 128x128x64 GEMMs at 120-200 GFLOP/s split)."""
 
 
 def blas_prelude() -> str:
@@ -119,6 +124,10 @@ class GemmSpec:
     """For a graph with symbolic sizes: M as a C expression of the kernel's size table ``S``
     (``S[0] * S[1]``), read at each call; ``m`` is then its value at the build's sample
     sizes (what the tuner times)."""
+    parallel_batch: bool = False
+    """The threads split the batch entries, each GEMM running on one thread (BLAS and kiln's
+    GEMM inside an OpenMP region use one thread), instead of every small GEMM being split
+    (:data:`PARALLEL_BATCH_MAX_FLOPS`)."""
 
     @property
     def flops(self) -> int:
@@ -209,6 +218,8 @@ def gemm_function(name: str, spec: GemmSpec) -> str:
         lines.append("  const long a_off = 0, b_off = 0, c_off = 0;")
         lines.append(f"  {call}")
     else:
+        if spec.parallel_batch:
+            lines.append("  #pragma omp parallel for schedule(static)")
         lines.append(f"  for (long t = 0; t < {math.prod(spec.batch)}L; t++) {{")
         lines.append("    long r = t, a_off = 0, b_off = 0;")
         for size, sa, sb in reversed(list(zip(spec.batch, spec.a_strides, spec.b_strides))):
@@ -312,7 +323,15 @@ class GemmTuner:
 
     def choose(self, spec: GemmSpec, packable: bool = False) -> GemmSpec:
         """``spec`` with its provider set (and ``packed_b`` when B, a weight if ``packable``, is
-        read from a packed copy), the fastest of :meth:`candidates` for its shape."""
+        read from a packed copy), the fastest of :meth:`candidates` for its shape; a batch of
+        small GEMMs split between the threads by entry (:data:`PARALLEL_BATCH_MAX_FLOPS`)."""
+        chosen = self._provider(spec, packable)
+        entries = math.prod(spec.batch)
+        if self.threads > 1 and entries > 1 and not spec.m_expr and spec.flops / entries <= PARALLEL_BATCH_MAX_FLOPS:
+            chosen = replace(chosen, parallel_batch=True)
+        return chosen
+
+    def _provider(self, spec: GemmSpec, packable: bool) -> GemmSpec:
         candidates = self.candidates(spec, packable)
         if not candidates:
             raise ValueError("kiln GEMM: no BLAS library and no kiln GEMM for this dtype")
@@ -420,6 +439,6 @@ def size_c_expr(e, order: dict[str, int]) -> str:
     raise ValueError(f"size expression {e} has no C form here")
 
 
-__all__ = ["KILN_PROVIDER", "PROVIDERS", "TUNE_MIN_FLOPS", "TUNE_SECONDS", "BlasProvider", "GemmSpec", "GemmTuner",
-           "Operand", "blas_prelude",
+__all__ = ["KILN_PROVIDER", "PARALLEL_BATCH_MAX_FLOPS", "PROVIDERS", "TUNE_MIN_FLOPS", "TUNE_SECONDS", "BlasProvider",
+           "GemmSpec", "GemmTuner", "Operand", "blas_prelude",
            "blas_providers", "blas_symbols", "gemm_function", "gemm_spec", "set_blas_threads"]
