@@ -160,7 +160,7 @@ def test_the_openmp_printer_specializes_the_base_without_copying_it():
     for name in ("function", "signature", "params", "declare_local", "statement", "for_loop", "loop_header",
                  "const", "call", "binary", "cast", "ref"):
         assert name not in own, name
-    assert KernelPrinter.prelude == CStylePrinter.prelude
+    assert KernelPrinter.prelude.startswith(CStylePrinter.prelude)  # plus the blend helpers of .speculate
 
 
 HALF = """program half(N: i64) {
@@ -356,3 +356,36 @@ def test_row_invariant_loads_and_math_are_read_once_before_the_inner_loop(tmp_pa
     ctypes.CDLL(str(lib)).run(pointers)
     for key in ("Y", "M", "G"):
         np.testing.assert_allclose(data[key], want[key], rtol=1e-5, atol=1e-5)
+
+
+def test_bool_buffers_are_bytes_and_a_masked_softmax_blends_its_branches():
+    """The cpu printer keeps bool buffers as bytes (GCC vectorizes no ``_Bool`` load) holding
+    0 or 1 -- casts and stores go through ``_Bool`` -- and prints a data select whose branch
+    calls a math function as ``kiln_blend_f32`` (both branches evaluated: the loop
+    vectorizes); a bounds guard stays a conditional.  Results match eager exactly for the
+    bools, within 1e-5 for the floats, at odd sizes."""
+    import torch
+
+    import kiln
+
+    def f(x, mask):
+        soft = torch.where(mask, torch.softmax(x, dim=-1), 0.0)
+        truthy = (x * 0.25).bool()           # a cast: 0.1 -> True, 0 -> False
+        either = mask + (x > 0.5)             # bool + bool: logical or
+        pooled = torch.nn.functional.max_pool1d(x, 3, 1, 1)  # padding: a guarded load
+        return soft, truthy, either & mask, pooled
+
+    x = torch.randn(3, 5, 17)
+    x[0, 0, :4] = 0.0
+    mask = torch.rand(3, 5, 17) > 0.3
+    compiled = kiln.compile(f, (x, mask), backend="cpu")
+    for got, want in zip(compiled(x, mask), f(x, mask)):
+        if want.dtype == torch.bool:
+            assert got.dtype == torch.bool and torch.equal(got, want)
+        else:
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    source = compiled.executable.source
+    assert "_Bool b" not in source and "unsigned char b" in source
+    assert "kiln_blend_f32(" in source
+    blended = [line for line in source.splitlines() if "kiln_blend_f32(" in line and "=" in line]
+    assert all("expf(" in line for line in blended), blended

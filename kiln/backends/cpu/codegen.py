@@ -51,13 +51,14 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from kiln.ir.loops.cgen import C_TYPES, HALF_HELPERS, HALF_TYPES, CStylePrinter, HalfAsFloat
-from kiln.ir.loops.expr import Binary, Call, Cast, Const, Expr, Load, Unary, free_vars, walk
+from kiln.ir.loops.cgen import C_TYPES, HALF_HELPERS, HALF_TYPES, BoolAsByte, CStylePrinter, HalfAsFloat
+from kiln.ir.loops.expr import Binary, Call, Cast, Const, Expr, Load, Select, Unary, free_vars, walk
 from kiln.ir.loops.rename import generated_names
 from kiln.ir.loops.program import Buffer, If, Loop, Node, Param, Program, Reduce, Store
 from kiln.ir.types import DType
 
 from .gemm import GemmSpec, blas_prelude, gemm_function
+from .speculate import BLEND, BLEND_HELPERS, speculable
 
 PARALLEL_REDUCTION_WORK = 1 << 16
 """Iterations from which a top-level reduction nest is split into per-thread partials."""
@@ -194,17 +195,20 @@ def nest_work(body: Sequence[Node]) -> int | None:
 
 
 # ----------------------------------------------------------------------------- printing
-class KernelPrinter(HalfAsFloat, CStylePrinter):
+class KernelPrinter(HalfAsFloat, BoolAsByte, CStylePrinter):
     """The OpenMP C printer of the cpu backend: :class:`kiln.ir.loops.cgen.CStylePrinter`
     with the hooks of the module docstring (``static`` functions, ``restrict`` buffers,
-    stack locals, OpenMP loops, reductions into registers, half types as ``float``)."""
+    stack locals, OpenMP loops, reductions into registers, half types as ``float``, bools as
+    bytes)."""
 
-    types = {**C_TYPES, DType.float16: "unsigned short", DType.bfloat16: "unsigned short"}
+    types = {**C_TYPES, DType.float16: "unsigned short", DType.bfloat16: "unsigned short", DType.bool: "unsigned char"}
+    """Memory types: half types as their bits, bool as a byte (:class:`BoolAsByte`)."""
     half_load = {DType.float16: "kiln_f16_load", DType.bfloat16: "kiln_bf16_load"}
     half_store = {DType.float16: "kiln_f16_store", DType.bfloat16: "kiln_bf16_store"}
     half_round = {DType.float16: "kiln_round_f16", DType.bfloat16: "kiln_round_bf16"}
     half_round_ops = True
     function_prefix = "static "
+    prelude = CStylePrinter.prelude + BLEND_HELPERS
 
     def __init__(self, program: Program):
         super().__init__(program)
@@ -296,6 +300,9 @@ class KernelPrinter(HalfAsFloat, CStylePrinter):
         name = self._hoisted.get(e) if self._hoisted else None
         if name is not None:
             return name, 8
+        if isinstance(e, Select) and self.dtype(e) in BLEND and speculable(e, self.dtype):
+            args = ", ".join(self.expr(x) for x in (e.cond, e.if_true, e.if_false))
+            return f"{BLEND[self.dtype(e)]}({args})", 8
         return super()._expr(e)
 
     def _accs_cover(self, n: Loop) -> bool:

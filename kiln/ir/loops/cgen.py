@@ -440,6 +440,24 @@ class HalfAsFloat:
         self.lines.append(ind + self.store_line(target, s.buffer, combined))  # type: ignore[attr-defined]
 
 
+class BoolAsByte:
+    """Printer hooks for bool memory as bytes (a mixin before a :class:`CStylePrinter` whose
+    ``types`` spell bool as a byte type, ``unsigned char``): GCC vectorizes no load of
+    ``_Bool``, and an attention mask is a bool buffer.  Values still convert through
+    ``_Bool``: a cast to bool prints ``(_Bool)``, and a store into a bool buffer converts its
+    value, so every byte holds 0 or 1 as a ``_Bool`` would."""
+
+    def cast(self, dtype: DType, text: str) -> str:
+        if dtype == DType.bool:
+            return f"((_Bool)({text}))"
+        return super().cast(dtype, text)  # type: ignore[misc]
+
+    def statement(self, s: Store | Reduce, ind: str) -> None:
+        if isinstance(s, Store) and self.buf_dtypes.get(s.buffer) == DType.bool:  # type: ignore[attr-defined]
+            s = Store(s.buffer, s.indices, Cast(DType.bool, s.value), s.name)
+        super().statement(s, ind)  # type: ignore[misc]
+
+
 def c_type(dtype: DType) -> str:
     """The C spelling of ``dtype`` (:data:`C_TYPES`); ``ValueError`` when it has none."""
     return CStylePrinter.type_name(dtype)
@@ -451,4 +469,5 @@ def to_c(program: Program, name: str | None = None, prelude: bool = True) -> str
     return (CStylePrinter.prelude + "\n" + body + "\n") if prelude else body + "\n"
 
 
-__all__ = ["C_PRELUDE", "C_TYPES", "HALF_HELPERS", "HALF_TYPES", "CStylePrinter", "HalfAsFloat", "c_type", "to_c"]
+__all__ = ["C_PRELUDE", "C_TYPES", "HALF_HELPERS", "HALF_TYPES", "BoolAsByte", "CStylePrinter", "HalfAsFloat", "c_type",
+           "to_c"]
