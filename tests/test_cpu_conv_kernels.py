@@ -72,7 +72,8 @@ def test_gemm_tiles_of_two_panels(cout):
     """Output channels filling pairs of 16-column panels (the 12x32 AVX-512 tiles), beside a
     single panel (48) and an edge panel (1000), with last micro-panels of fewer rows, packed
     (k x k) and in place (1x1 of a channels-last input, rows in chunks of six, K > 256 for
-    the accumulating blocks)."""
+    the accumulating blocks), with the threads splitting rows (M >= 48 and M >= Cout) or
+    each block's tile grid."""
     _check(1, 40, 5, 7, cout, 1, channels_last=True)                 # M = 35: rows 12 + 12 + 11
     _check(1, 300, 3, 9, cout, 1, channels_last=True, bias=False)    # M = 27, K = 300
     _check(2, 5, 9, 11, cout, 3, padding=1)                           # M = 198 > one 144-row block

@@ -131,9 +131,119 @@ static void kcd_pair(long kc, const float *a, long lda, long rows, const float *
 #endif
 
 /* ------------------------------------------------------------------ convolution as GEMM */
+/* One convolution as a GEMM: out[M][Cout] (+ bias) = A @ Bp, A never stored (see kcg_pack) */
+typedef struct {
+  long N, C, H, W, OH, OW, KH, KW, sh, sw, ph, pw, dh, dw, xn, xc, xh, xw, M, K, Cout, panels;
+  const float *x, *Bp, *bias;
+  float *out;
+  int checks, inplace;
+} kcg_t;
+
+/* the k -> (c, kh, kw) tables of the K block starting at pc, entries [k0, k1) */
+static inline void kcg_koff(const kcg_t *g, long pc, long k0, long k1, long *koff, long *kdh, long *kdw) {
+  for (long k = k0; k < k1; k++) {
+    long kk = pc + k, c = kk / (g->KH * g->KW), kh = (kk / g->KW) % g->KH, kw = kk % g->KW;
+    kdh[k] = kh * g->dh; kdw[k] = kw * g->dw;
+    koff[k] = c * g->xc + kh * g->dh * g->xh + kw * g->dw * g->xw;
+  }
+}
+
+/* micro-panel ib of the rows [ic, ic + mc), K block [pc, pc + kc), into dst: the input windows
+   read directly (zeros where padding is read) */
+static inline void kcg_pack(const kcg_t *g, long ic, long mc, long ib, long kc, const long *koff, const long *kdh,
+                            const long *kdw, float *dst) {
+  long rows = mc - ib * KMG_MR < KMG_MR ? mc - ib * KMG_MR : KMG_MR;
+  long base[KMG_MR], ih0[KMG_MR], iw0[KMG_MR];
+  for (long r = 0; r < rows; r++) {
+    long m = ic + ib * KMG_MR + r, n = m / (g->OH * g->OW), oh = (m / g->OW) % g->OH, ow = m % g->OW;
+    ih0[r] = oh * g->sh - g->ph; iw0[r] = ow * g->sw - g->pw;
+    base[r] = n * g->xn + ih0[r] * g->xh + iw0[r] * g->xw;
+  }
+  for (long k = 0; k < kc; k++) {
+    float *d = dst + k * KMG_MR;
+    long off = koff[k];
+    if (!g->checks) {
+      for (long r = 0; r < rows; r++) d[r] = g->x[base[r] + off];
+    } else {
+      for (long r = 0; r < rows; r++) {
+        long ih = ih0[r] + kdh[k], iw = iw0[r] + kdw[k];
+        d[r] = (ih >= 0 && ih < g->H && iw >= 0 && iw < g->W) ? g->x[base[r] + off] : 0.0f;
+      }
+    }
+    for (long r = rows; r < KMG_MR; r++) d[r] = 0.0f;
+  }
+}
+
+/* the tiles of unit u (KMG_STEP panels) and micro-panel ib (packed at ap, unless in place) of
+   the rows [ic, ic + mc), K block [pc, pc + kc); the bias after the last block */
+static inline void kcg_unit(const kcg_t *g, long ic, long mc, long ib, long u, long pc, long kc, const float *ap) {
+  long C = g->C, K = g->K, Cout = g->Cout, panels = g->panels;
+  const float *x = g->x;
+  long m0 = ic + ib * KMG_MR, rows = mc - ib * KMG_MR < KMG_MR ? mc - ib * KMG_MR : KMG_MR;
+  int last = pc + kc >= K;
+  for (long p = u * KMG_STEP; p < panels && p < (u + 1) * KMG_STEP;) {
+    const float *bp = g->Bp + p * K * KMG_NR + pc * KMG_NR;
+    long n0 = p * KMG_NR, w = Cout - n0 < KMG_NR ? Cout - n0 : KMG_NR;
+    float *c = g->out + m0 * Cout + n0;
+#ifdef KMG_PAIRS
+    if (p + 1 < panels && Cout - (p + 1) * KMG_NR >= KMG_NR) {
+      if (g->inplace)
+        for (long r0 = 0; r0 < rows; r0 += 6)
+          kcd_pair(kc, x + (m0 + r0) * C + pc, C, rows - r0 < 6 ? rows - r0 : 6, bp, bp + K * KMG_NR,
+                   c + r0 * Cout, Cout, pc > 0);
+      else
+        kmg_pair(rows, kc, ap, bp, bp + K * KMG_NR, c, Cout, pc > 0);
+      w = 2 * KMG_NR;
+    } else
+#endif
+    if (g->inplace) {
+      for (long r0 = 0; r0 < rows; r0 += 6)
+        kcd_tile(kc, x + (m0 + r0) * C + pc, C, rows - r0 < 6 ? rows - r0 : 6, bp, c + r0 * Cout, Cout, pc > 0, w);
+    } else if (w == KMG_NR) kmg_tile(rows, kc, ap, bp, c, Cout, pc > 0);
+    else kmg_edge(kc, ap, bp, c, Cout, pc > 0, rows, w);
+    if (last && g->bias)
+      for (long r = 0; r < rows; r++)
+        for (long j = 0; j < w; j++) c[r * Cout + j] += g->bias[n0 + j];
+    p += w > KMG_NR ? 2 : 1;
+  }
+}
+
+/* scratch of one thread: a packed block of A and the k tables of one K block */
+typedef struct { float *work; long *koff, *kdh, *kdw; } kcg_scratch;
+
+static int kcg_alloc(kcg_scratch *s, long mc_rounded, long kc_max) {
+  s->work = (float *)aligned_alloc(64, sizeof(float) * (size_t)(mc_rounded * kc_max));
+  s->koff = (long *)malloc(sizeof(long) * (size_t)kc_max);
+  s->kdh = (long *)malloc(sizeof(long) * (size_t)kc_max);
+  s->kdw = (long *)malloc(sizeof(long) * (size_t)kc_max);
+  return s->work && s->koff && s->kdh && s->kdw;
+}
+
+static void kcg_free(kcg_scratch *s) { free(s->work); free(s->koff); free(s->kdh); free(s->kdw); }
+
+/* the rows [m_lo, m_hi) by one thread, with its own scratch */
+static void kcg_rows(const kcg_t *g, long m_lo, long m_hi, kcg_scratch *s) {
+  long units = (g->panels + KMG_STEP - 1) / KMG_STEP;
+  for (long pc = 0; pc < g->K; pc += KMG_KC) {
+    long kc = g->K - pc < KMG_KC ? g->K - pc : KMG_KC;
+    kcg_koff(g, pc, 0, kc, s->koff, s->kdh, s->kdw);
+    for (long ic = m_lo; ic < m_hi; ic += KMG_MC) {
+      long mc = m_hi - ic < KMG_MC ? m_hi - ic : KMG_MC, blocks = (mc + KMG_MR - 1) / KMG_MR;
+      for (long ib = 0; ib < (g->inplace ? 0 : blocks); ib++)
+        kcg_pack(g, ic, mc, ib, kc, s->koff, s->kdh, s->kdw, s->work + ib * KMG_MR * kc);
+      for (long u = 0; u < units; u++)
+        for (long ib = 0; ib < blocks; ib++) kcg_unit(g, ic, mc, ib, u, pc, kc, s->work + ib * KMG_MR * kc);
+    }
+  }
+}
+
 /* out[M][Cout] (+ bias) = A @ Bp with A(m, kk) = x[n, c, oh*sh - ph + kh*dh, ow*sw - pw + kw*dw]
    (0 outside the input), m = (n, oh, ow), kk = (c, kh, kw); x's element (n,c,h,w) at
-   x[n*xn + c*xc + h*xh + w*xw]; Bp: K x Cout in 16-column panels.  Returns 1 without memory. */
+   x[n*xn + c*xc + h*xh + w*xw]; Bp: K x Cout in 16-column panels.  With at least two
+   micro-panels of rows per thread and no more output channels than rows, each thread takes
+   a range of rows with its own scratch (no barriers: the blocks of a small convolution are
+   too short to share); else the threads share each block's (panel, micro-panel) grid.
+   Returns 1 without memory. */
 int kiln_conv_gemm_f32(long N, long C, long H, long W, long OH, long OW, long KH, long KW,
                        long sh, long sw, long ph, long pw, long dh, long dw,
                        const float *x, long xn, long xc, long xh, long xw,
@@ -149,90 +259,53 @@ int kiln_conv_gemm_f32(long N, long C, long H, long W, long OH, long OW, long KH
   /* 1x1, stride 1, channels-last contiguous input: A is the input matrix [M][C] itself */
   int inplace = KH == 1 && KW == 1 && sh == 1 && sw == 1 && !checks && xc == 1 && xw == C && xh == W * C
                 && (N == 1 || xn == H * W * C);
+  kcg_t g = {N, C, H, W, OH, OW, KH, KW, sh, sw, ph, pw, dh, dw, xn, xc, xh, xw, M, K, Cout, panels,
+             x, Bp, bias, out, checks, inplace};
   long mc_max = M < KMG_MC ? M : KMG_MC, kc_max = K < KMG_KC ? K : KMG_KC;
   long mc_rounded = (mc_max + KMG_MR - 1) / KMG_MR * KMG_MR;
-  float *work = (float *)aligned_alloc(64, sizeof(float) * (size_t)(mc_rounded * kc_max));
-  long *koff = (long *)malloc(sizeof(long) * (size_t)kc_max);
-  long *kdh = (long *)malloc(sizeof(long) * (size_t)kc_max);
-  long *kdw = (long *)malloc(sizeof(long) * (size_t)kc_max);
-  if (!work || !koff || !kdh || !kdw) { free(work); free(koff); free(kdh); free(kdw); return 1; }
+  int failed = 0;
+  if (M >= 2L * KMG_MR * (nthreads > 1 ? nthreads : 1) && M >= Cout) {
+    #pragma omp parallel num_threads(nthreads)
+    {
+#ifdef _OPENMP
+      long t = omp_get_thread_num(), T = omp_get_num_threads();
+#else
+      long t = 0, T = 1;
+#endif
+      long share = ((M + T - 1) / T + KMG_MR - 1) / KMG_MR * KMG_MR;
+      long lo = t * share, hi = lo + share < M ? lo + share : M;
+      kcg_scratch s;
+      if (!kcg_alloc(&s, mc_rounded, kc_max)) {
+        #pragma omp atomic write
+        failed = 1;
+      } else if (lo < hi) {
+        kcg_rows(&g, lo, hi, &s);
+      }
+      kcg_free(&s);
+    }
+    return failed;
+  }
+  kcg_scratch s;
+  if (!kcg_alloc(&s, mc_rounded, kc_max)) { kcg_free(&s); return 1; }
+  long units = (panels + KMG_STEP - 1) / KMG_STEP;
   #pragma omp parallel num_threads(nthreads)
   {
     for (long pc = 0; pc < K; pc += KMG_KC) {
       long kc = K - pc < KMG_KC ? K - pc : KMG_KC;
-      #pragma omp for schedule(static)
-      for (long k = 0; k < kc; k++) {
-        long kk = pc + k, c = kk / (KH * KW), kh = (kk / KW) % KH, kw = kk % KW;
-        kdh[k] = kh * dh; kdw[k] = kw * dw;
-        koff[k] = c * xc + kh * dh * xh + kw * dw * xw;
-      }
+      #pragma omp single
+      kcg_koff(&g, pc, 0, kc, s.koff, s.kdh, s.kdw);
       for (long ic = 0; ic < M; ic += KMG_MC) {
-        long mc = M - ic < KMG_MC ? M - ic : KMG_MC;
-        long blocks = (mc + KMG_MR - 1) / KMG_MR;
+        long mc = M - ic < KMG_MC ? M - ic : KMG_MC, blocks = (mc + KMG_MR - 1) / KMG_MR;
         #pragma omp for schedule(static)
-        for (long ib = 0; ib < (inplace ? 0 : blocks); ib++) {
-          float *dst = work + ib * KMG_MR * kc;
-          long rows = mc - ib * KMG_MR < KMG_MR ? mc - ib * KMG_MR : KMG_MR;
-          long base[KMG_MR], ih0[KMG_MR], iw0[KMG_MR];
-          for (long r = 0; r < rows; r++) {
-            long m = ic + ib * KMG_MR + r, n = m / (OH * OW), oh = (m / OW) % OH, ow = m % OW;
-            ih0[r] = oh * sh - ph; iw0[r] = ow * sw - pw;
-            base[r] = n * xn + ih0[r] * xh + iw0[r] * xw;
-          }
-          for (long k = 0; k < kc; k++) {
-            float *d = dst + k * KMG_MR;
-            long off = koff[k];
-            if (!checks) {
-              for (long r = 0; r < rows; r++) d[r] = x[base[r] + off];
-            } else {
-              for (long r = 0; r < rows; r++) {
-                long ih = ih0[r] + kdh[k], iw = iw0[r] + kdw[k];
-                d[r] = (ih >= 0 && ih < H && iw >= 0 && iw < W) ? x[base[r] + off] : 0.0f;
-              }
-            }
-            for (long r = rows; r < KMG_MR; r++) d[r] = 0.0f;
-          }
-        }
-        int last = pc + kc >= K;
-        /* units of KMG_STEP panels (two adjacent full panels in one tile with AVX-512) */
-        long units = (panels + KMG_STEP - 1) / KMG_STEP;
+        for (long ib = 0; ib < (inplace ? 0 : blocks); ib++)
+          kcg_pack(&g, ic, mc, ib, kc, s.koff, s.kdh, s.kdw, s.work + ib * KMG_MR * kc);
         #pragma omp for collapse(2) schedule(static)
-        for (long u = 0; u < units; u++) {
-          for (long ib = 0; ib < blocks; ib++) {
-            const float *ap = work + ib * KMG_MR * kc;
-            long m0 = ic + ib * KMG_MR, rows = mc - ib * KMG_MR < KMG_MR ? mc - ib * KMG_MR : KMG_MR;
-            for (long p = u * KMG_STEP; p < panels && p < (u + 1) * KMG_STEP;) {
-              const float *bp = Bp + p * K * KMG_NR + pc * KMG_NR;
-              long n0 = p * KMG_NR, w = Cout - n0 < KMG_NR ? Cout - n0 : KMG_NR;
-              float *c = out + m0 * Cout + n0;
-#ifdef KMG_PAIRS
-              if (p + 1 < panels && Cout - (p + 1) * KMG_NR >= KMG_NR) {
-                if (inplace)
-                  for (long r0 = 0; r0 < rows; r0 += 6)
-                    kcd_pair(kc, x + (m0 + r0) * C + pc, C, rows - r0 < 6 ? rows - r0 : 6, bp, bp + K * KMG_NR,
-                             c + r0 * Cout, Cout, pc > 0);
-                else
-                  kmg_pair(rows, kc, ap, bp, bp + K * KMG_NR, c, Cout, pc > 0);
-                w = 2 * KMG_NR;
-              } else
-#endif
-              if (inplace) {
-                for (long r0 = 0; r0 < rows; r0 += 6)
-                  kcd_tile(kc, x + (m0 + r0) * C + pc, C, rows - r0 < 6 ? rows - r0 : 6, bp, c + r0 * Cout, Cout,
-                           pc > 0, w);
-              } else if (w == KMG_NR) kmg_tile(rows, kc, ap, bp, c, Cout, pc > 0);
-              else kmg_edge(kc, ap, bp, c, Cout, pc > 0, rows, w);
-              if (last && bias)
-                for (long r = 0; r < rows; r++)
-                  for (long j = 0; j < w; j++) c[r * Cout + j] += bias[n0 + j];
-              p += w > KMG_NR ? 2 : 1;
-            }
-          }
-        }
+        for (long u = 0; u < units; u++)
+          for (long ib = 0; ib < blocks; ib++) kcg_unit(&g, ic, mc, ib, u, pc, kc, s.work + ib * KMG_MR * kc);
       }
     }
   }
-  free(work); free(koff); free(kdh); free(kdw);
+  kcg_free(&s);
   return 0;
 }
 
