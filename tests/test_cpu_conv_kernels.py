@@ -67,6 +67,27 @@ def test_large_gemm_crosses_blocks():
     _check(1, 300, 20, 20, 33, 1, seed=2, channels_last=True)  # K = 300: two blocks of K
 
 
+def test_one_kernel_object_serves_calls_of_several_layouts_and_shapes():
+    """A convolution object plans each operand signature (shapes, strides, dtypes) once:
+    NCHW and channels-last inputs, another batch size, a non-contiguous float64 bias, and a
+    depthwise input that must be made channels-last, all alternating, all match eager."""
+    g = torch.Generator().manual_seed(3)
+    gemm = KilnConv2d("gemm", (1, 1), (1, 1), (1, 1), 1)
+    w = torch.randn(20, 6, 3, 3, generator=g)
+    bias = torch.randn(40, generator=g, dtype=torch.float64)[::2]
+    x1 = torch.randn(1, 6, 9, 7, generator=g)
+    x2 = torch.randn(3, 6, 9, 7, generator=g).contiguous(memory_format=torch.channels_last)
+    for _ in range(2):
+        for x, b in ((x1, None), (x2, bias), (x1, bias), (x2, None)):
+            want = F.conv2d(x, w, None if b is None else b.float(), 1, 1)
+            assert _rel(gemm(x, w, b), want) <= 1e-4
+    depthwise = KilnConv2d("depthwise", (2, 2), (1, 1), (1, 1), 6)
+    wd = torch.randn(6, 1, 3, 3, generator=g)
+    for _ in range(2):
+        for x in (x1, x2, x1.contiguous(memory_format=torch.channels_last)):
+            assert _rel(depthwise(x, wd), F.conv2d(x, wd, None, 2, 1, 1, 6)) <= 1e-4
+
+
 @pytest.mark.parametrize("cout", [32, 48, 64, 1000])
 def test_gemm_tiles_of_two_panels(cout):
     """Output channels filling pairs of 16-column panels (the 12x32 AVX-512 tiles), beside a

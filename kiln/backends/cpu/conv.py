@@ -49,7 +49,7 @@ from kiln.ir import Node
 
 from . import microgemm
 from .packed_conv import version_key
-from .standalone import KernelChooser, load_library, pointer, threads
+from .standalone import KernelChooser, load_library, threads
 
 SOURCE = microgemm.SOURCE + r"""
 /* ------------------------------------------------------------------ unpacked A */
@@ -411,6 +411,18 @@ void kiln_conv_dw_f32(long N, long C, long H, long W, long OH, long OW, long KH,
     }
   }
 }
+
+/* the same with the sizes and strides in one array (a call from Python converts 6 arguments,
+   not 24): g = N C H W OH OW KH KW sh sw ph pw dh dw, then x's strides (n c h w), then Cout */
+int kiln_conv_gemm_g(const long *g, const float *x, const float *Bp, const float *bias, float *out, int nthreads) {
+  return kiln_conv_gemm_f32(g[0], g[1], g[2], g[3], g[4], g[5], g[6], g[7], g[8], g[9], g[10], g[11], g[12], g[13],
+                            x, g[14], g[15], g[16], g[17], Bp, g[18], bias, out, nthreads);
+}
+/* g = N C H W OH OW KH KW sh sw ph pw dh dw, then x's strides (n h w) */
+void kiln_conv_dw_g(const long *g, const float *x, const float *wt, const float *bias, float *out, int nthreads) {
+  kiln_conv_dw_f32(g[0], g[1], g[2], g[3], g[4], g[5], g[6], g[7], g[8], g[9], g[10], g[11], g[12], g[13],
+                   x, g[14], g[15], g[16], wt, bias, out, nthreads);
+}
 """
 
 _L = ctypes.c_long
@@ -421,10 +433,10 @@ def _kernels() -> tuple[ctypes._CFuncPtr, ctypes._CFuncPtr] | None:
     lib = load_library(SOURCE)
     if lib is None:
         return None
-    gemm, dw = lib.kiln_conv_gemm_f32, lib.kiln_conv_dw_f32
-    gemm.argtypes = [_L] * 14 + [_P] + [_L] * 4 + [_P, _L, _P, _P, ctypes.c_int]
+    gemm, dw = lib.kiln_conv_gemm_g, lib.kiln_conv_dw_g
+    gemm.argtypes = [_P] * 5 + [ctypes.c_int]
     gemm.restype = ctypes.c_int
-    dw.argtypes = [_L] * 14 + [_P] + [_L] * 3 + [_P, _P, _P, ctypes.c_int]
+    dw.argtypes = [_P] * 5 + [ctypes.c_int]
     dw.restype = None
     return gemm, dw
 
@@ -464,6 +476,8 @@ class KilnConv2d:
         self.stride, self.padding, self.dilation, self.groups = tuple(stride), tuple(padding), tuple(dilation), groups
         self._gemm, self._dw = kernels
         self._packed: tuple[tuple | None, torch.Tensor, torch.Tensor] | None = None
+        self._plans: dict[tuple, tuple] = {}
+        """Per operand signature (shapes, strides, dtypes): what :meth:`_plan` found."""
         self._lock = threading.Lock()
 
     def _weight(self, w: torch.Tensor) -> torch.Tensor:
@@ -484,6 +498,26 @@ class KilnConv2d:
         return weight
 
     def __call__(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+        signature = (x.shape, x.stride(), x.dtype, w.shape, w.dtype, None if b is None else (b.shape, b.dtype))
+        plan = self._plans.get(signature)
+        if plan is None:
+            plan = self._plans[signature] = self._plan(x, w, b)
+        geometry, out_shape, relayout, cast_bias = plan
+        weight = self._weight(w)
+        if b is not None and cast_bias:
+            b = b.detach().contiguous().to(torch.float32)
+        if relayout:
+            x = x.contiguous(memory_format=torch.channels_last)
+        out = torch.empty(out_shape, dtype=torch.float32)
+        run = self._gemm if self.kind == "gemm" else self._dw
+        if run(geometry, x.data_ptr(), weight.data_ptr(), 0 if b is None else b.data_ptr(), out.data_ptr(), threads()):
+            raise MemoryError("kiln conv2d could not allocate its packing buffers")
+        return out.permute(0, 3, 1, 2)
+
+    def _plan(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> tuple:
+        """What a call with these operand shapes, strides and dtypes passes (checked once):
+        the size array of the C entry, the result shape (NHWC), whether the input must be
+        made channels-last first (depthwise) and whether the bias needs a contiguous copy."""
         if x.dtype != torch.float32 or w.dtype != torch.float32 or x.dim() != 4 or w.dim() != 4:
             raise TypeError(f"kiln conv2d takes 4-d float32 input and weight, got {x.dtype} "
                             f"{tuple(x.shape)} and {w.dtype} {tuple(w.shape)}")
@@ -498,21 +532,15 @@ class KilnConv2d:
         oh, ow = _out_size(h, kh, sh, ph, dh), _out_size(wd, kw, sw, pw, dw)
         if oh < 1 or ow < 1:
             raise ValueError(f"convolution output {oh}x{ow} is empty for input {tuple(x.shape)}")
-        weight = self._weight(w)
-        bias = b.detach().contiguous().to(torch.float32) if b is not None else None
-        out = torch.empty((n, oh, ow, cout), dtype=torch.float32)
+        sizes = [n, c, h, wd, oh, ow, kh, kw, sh, sw, ph, pw, dh, dw]
+        relayout = self.kind == "depthwise" and c > 1 and x.stride(1) != 1
         if self.kind == "gemm":
-            failed = self._gemm(n, c, h, wd, oh, ow, kh, kw, sh, sw, ph, pw, dh, dw, pointer(x), *x.stride(),
-                                pointer(weight), cout, pointer(bias), pointer(out), threads())
-            if failed:
-                raise MemoryError("kiln conv2d could not allocate its packing buffers")
+            sizes += [*x.stride(), cout]
         else:
-            if c > 1 and x.stride(1) != 1:
-                x = x.contiguous(memory_format=torch.channels_last)
-            sn, _, sy, sx = x.stride()
-            self._dw(n, c, h, wd, oh, ow, kh, kw, sh, sw, ph, pw, dh, dw, pointer(x), sn, sy, sx,
-                     pointer(weight), pointer(bias), pointer(out), threads())
-        return out.permute(0, 3, 1, 2)
+            strides = x.contiguous(memory_format=torch.channels_last).stride() if relayout else x.stride()
+            sizes += [strides[0], strides[2], strides[3]]
+        cast_bias = b is not None and (b.dtype != torch.float32 or not b.is_contiguous())
+        return (ctypes.c_long * len(sizes))(*sizes), (n, oh, ow, cout), relayout, cast_bias
 
 
 def conv2d(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, *, stride=(1, 1), padding=(0, 0),
