@@ -30,14 +30,15 @@ def _rel(got: torch.Tensor, want) -> float:
     return ((got.double() - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
 
 
-def _check(n, c, h, w, cout, k, stride=1, padding=0, dilation=1, groups=1, bias=True, channels_last=False, seed=0):
+def _check(n, c, h, w, cout, k, stride=1, padding=0, dilation=1, groups=1, bias=True, channels_last=False, seed=0,
+           direct=False):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, c, h, w, generator=g)
     if channels_last:
         x = x.contiguous(memory_format=torch.channels_last)
     weight = torch.randn(cout, c // groups, k, k, generator=g)
     b = torch.randn(cout, generator=g) if bias else None
-    got = conv2d(x, weight, b, stride=stride, padding=padding, dilation=dilation, groups=groups)
+    got = conv2d(x, weight, b, stride=stride, padding=padding, dilation=dilation, groups=groups, direct=direct)
     pair = lambda v: [v, v]  # noqa: E731
     ref = REFERENCE(x.numpy(), weight.numpy(), None if b is None else b.numpy(), stride=pair(stride),
                     padding=pair(padding), dilation=pair(dilation), groups=groups)
@@ -65,6 +66,17 @@ def test_large_gemm_crosses_blocks():
     # K = 3*16*16 = 768 > one 256-deep block, M = 196 > one 96-row block, Cout = 1000
     _check(1, 3, 224, 224, 1000, 16, stride=16, seed=1)
     _check(1, 300, 20, 20, 33, 1, seed=2, channels_last=True)  # K = 300: two blocks of K
+
+
+@pytest.mark.parametrize("cout", [1, 3, 16, 17, 64])
+def test_direct_kernel_for_few_input_channels(cout):
+    """The direct kernel (a stem: broadcast input values against 16 output channels, 8
+    pixels at once) at odd sizes: a 3x3 stride-2 stem, a 7x7 one, dilation, a row shorter
+    than 8 pixels, NCHW and channels-last inputs, without bias."""
+    _check(1, 3, 17, 19, cout, 3, stride=2, padding=1, direct=True)
+    _check(2, 3, 13, 13, cout, 7, stride=2, padding=3, direct=True, channels_last=True)
+    _check(1, 1, 9, 5, cout, 3, dilation=2, padding=2, bias=False, direct=True)
+    _check(1, 4, 3, 3, cout, 2, direct=True)
 
 
 def test_one_kernel_object_serves_calls_of_several_layouts_and_shapes():
@@ -147,6 +159,10 @@ def test_kind_of_a_convolution():
     assert kind((1, 3, 32, 32), (8, 3, 16, 16), (16, 16), (0, 0), (1, 1), 1) == "gemm"
     assert kind((1, 8, 9, 9), (8, 8, 3, 3), (1, 1), (1, 1), (1, 1), 1) is None   # 3x3: oneDNN
     assert kind((1, 8, 9, 9), (8, 2, 3, 3), (1, 1), (1, 1), (1, 1), 4) is None   # grouped
+    assert kind((1, 3, 224, 224), (16, 3, 3, 3), (2, 2), (1, 1), (1, 1), 1) == "direct"   # a stem
+    assert kind((1, 3, 224, 224), (64, 3, 7, 7), (2, 2), (3, 3), (1, 1), 1) == "direct"
+    assert kind((1, 5, 9, 9), (8, 5, 3, 3), (1, 1), (1, 1), (1, 1), 1) is None   # five channels: oneDNN
+    assert kind((1, 3, 9, 9), (8, 3, 1, 1), (1, 1), (0, 0), (1, 1), 1) == "gemm"
 
 
 def _conv_node(x_shape, w_shape, stride, padding, groups, dtype=DType.float32):

@@ -1,7 +1,7 @@
 """kiln's own 2-d float32 convolution kernels, chosen per shape against oneDNN by measurement.
 
-Two kernel kinds, both writing channels-last (NHWC) results, which the cpu partition keeps
-through convolution chains (:mod:`.partition`):
+Three kernel kinds, all writing channels-last (NHWC) results, which the cpu partition keeps
+through convolution chains (:mod:`.partition`); their C is :mod:`.conv_source`:
 
 * **Convolution as a GEMM on kiln's micro-kernel** (``kiln_conv_gemm_f32``), for ungrouped
   1x1 convolutions and patchify convolutions (stride = kernel, no padding, as in a ViT's
@@ -24,6 +24,18 @@ through convolution chains (:mod:`.partition`):
   accumulators), the taps walked with the weight reordered once to ``[KH][KW][C]`` so that
   every load is contiguous along the channels; the bias is the accumulators' start value.
   Threads split the (image, output row) grid.
+* **Direct convolution for few input channels** (at most :data:`DIRECT_MAX_CHANNELS`, a
+  ``k x k`` window: a CNN's stem; ``kiln_conv_direct_f32``): each input value is broadcast
+  against 16 output channels of the weight (reordered once to ``[C][KH][KW][Cout]``, padded
+  to 16), for 8 output pixels of a row at once (eight 16-wide accumulators with AVX-512).
+  The implicit GEMM's K (27 for a 3x3 stem) is too short to pay for packing A: on the
+  Xeon below a MobileNet stem (3 -> 16, 3x3, stride 2, 224x224) takes 64 us against
+  oneDNN's 108; with 64 output channels (ResNet's 7x7 stem) oneDNN is faster (640 against
+  1070 us), and the chooser keeps it.
+
+Each kernel object checks and plans every operand signature (shapes, strides, dtypes) once;
+a call then passes its sizes in one C array (``kiln_conv_*_g``: six ctypes arguments, not
+two dozen): a small convolution costs about 8 us from Python to Python, kernel included.
 
 The batch norm and activation that follow a convolution stay in the generated epilogue
 kernel of the fused group (see :mod:`kiln.backends.common.select`), one pass over the
@@ -48,412 +60,46 @@ from kiln.backends.common.library import LibraryCall
 from kiln.ir import Node
 
 from . import microgemm
+from .conv_source import SOURCE
 from .packed_conv import version_key
 from .standalone import KernelChooser, load_library, threads
-
-SOURCE = microgemm.SOURCE + r"""
-/* ------------------------------------------------------------------ unpacked A */
-#define KCD_ROWS 6
-/* c[rows][w] (row stride ldc) (+)= A[rows][kc] @ Bp[kc][16] with A read in place (row stride
-   lda): the 1x1 stride-1 convolution of a channels-last input, whose A is the input itself. */
-static void kcd_tile(long kc, const float *a, long lda, long rows, const float *bp, float *c, long ldc, int acc,
-                     long w) {
-  const float *r0 = a, *r1 = a + (rows > 1 ? 1 : 0) * lda, *r2 = a + (rows > 2 ? 2 : 0) * lda;
-  const float *r3 = a + (rows > 3 ? 3 : 0) * lda, *r4 = a + (rows > 4 ? 4 : 0) * lda;
-  const float *r5 = a + (rows > 5 ? 5 : 0) * lda;
-  float t[KCD_ROWS * KMG_NR];
-  int direct = rows == KCD_ROWS && w == KMG_NR;
-  float *dst = direct ? c : t;
-  long ldd = direct ? ldc : KMG_NR;
-  if (!direct)
-    for (long r = 0; r < KCD_ROWS; r++)
-      for (long j = 0; j < KMG_NR; j++) t[r * KMG_NR + j] = (acc && r < rows && j < w) ? c[r * ldc + j] : 0.0f;
-#ifdef KMG_AVX2
-  __m256 c00, c01, c10, c11, c20, c21, c30, c31, c40, c41, c50, c51;
-  if (acc || !direct) {
-    c00 = _mm256_loadu_ps(dst); c01 = _mm256_loadu_ps(dst + 8);
-    c10 = _mm256_loadu_ps(dst + ldd); c11 = _mm256_loadu_ps(dst + ldd + 8);
-    c20 = _mm256_loadu_ps(dst + 2 * ldd); c21 = _mm256_loadu_ps(dst + 2 * ldd + 8);
-    c30 = _mm256_loadu_ps(dst + 3 * ldd); c31 = _mm256_loadu_ps(dst + 3 * ldd + 8);
-    c40 = _mm256_loadu_ps(dst + 4 * ldd); c41 = _mm256_loadu_ps(dst + 4 * ldd + 8);
-    c50 = _mm256_loadu_ps(dst + 5 * ldd); c51 = _mm256_loadu_ps(dst + 5 * ldd + 8);
-  } else {
-    c00 = c01 = c10 = c11 = c20 = c21 = c30 = c31 = c40 = c41 = c50 = c51 = _mm256_setzero_ps();
-  }
-  for (long k = 0; k < kc; k++) {
-    __m256 b0 = _mm256_loadu_ps(bp), b1 = _mm256_loadu_ps(bp + 8), x;
-    x = _mm256_broadcast_ss(r0 + k); c00 = _mm256_fmadd_ps(x, b0, c00); c01 = _mm256_fmadd_ps(x, b1, c01);
-    x = _mm256_broadcast_ss(r1 + k); c10 = _mm256_fmadd_ps(x, b0, c10); c11 = _mm256_fmadd_ps(x, b1, c11);
-    x = _mm256_broadcast_ss(r2 + k); c20 = _mm256_fmadd_ps(x, b0, c20); c21 = _mm256_fmadd_ps(x, b1, c21);
-    x = _mm256_broadcast_ss(r3 + k); c30 = _mm256_fmadd_ps(x, b0, c30); c31 = _mm256_fmadd_ps(x, b1, c31);
-    x = _mm256_broadcast_ss(r4 + k); c40 = _mm256_fmadd_ps(x, b0, c40); c41 = _mm256_fmadd_ps(x, b1, c41);
-    x = _mm256_broadcast_ss(r5 + k); c50 = _mm256_fmadd_ps(x, b0, c50); c51 = _mm256_fmadd_ps(x, b1, c51);
-    bp += KMG_NR;
-  }
-  _mm256_storeu_ps(dst, c00); _mm256_storeu_ps(dst + 8, c01);
-  _mm256_storeu_ps(dst + ldd, c10); _mm256_storeu_ps(dst + ldd + 8, c11);
-  _mm256_storeu_ps(dst + 2 * ldd, c20); _mm256_storeu_ps(dst + 2 * ldd + 8, c21);
-  _mm256_storeu_ps(dst + 3 * ldd, c30); _mm256_storeu_ps(dst + 3 * ldd + 8, c31);
-  _mm256_storeu_ps(dst + 4 * ldd, c40); _mm256_storeu_ps(dst + 4 * ldd + 8, c41);
-  _mm256_storeu_ps(dst + 5 * ldd, c50); _mm256_storeu_ps(dst + 5 * ldd + 8, c51);
-#else
-  const float *rp[KCD_ROWS] = {r0, r1, r2, r3, r4, r5};
-  for (long k = 0; k < kc; k++)
-    for (long r = 0; r < KCD_ROWS; r++)
-      for (long j = 0; j < KMG_NR; j++) dst[r * ldd + j] += rp[r][k] * bp[k * KMG_NR + j];
-#endif
-  if (!direct)
-    for (long r = 0; r < rows; r++)
-      for (long j = 0; j < w; j++) c[r * ldc + j] = t[r * KMG_NR + j];
-}
-
-#ifdef KMG_AVX512
-/* c[rows][32] (row stride ldc) (+)= A[rows][kc] @ [Bp | Bq] with A read in place (row stride
-   lda), rows <= 6: two adjacent full panels in twelve 16-wide accumulators (rows past
-   `rows` read row 0 again and are not stored). */
-#define KCD_DECL(r) const float *a##r = a + (rows > r ? r : 0) * lda; __m512 c##r##0, c##r##1;
-#define KCD_START(r) if (acc && r < rows) { c##r##0 = _mm512_loadu_ps(c + r * ldc); \
-    c##r##1 = _mm512_loadu_ps(c + r * ldc + 16); } else { c##r##0 = _mm512_setzero_ps(); c##r##1 = c##r##0; }
-#define KCD_FMA(r) { __m512 v = _mm512_set1_ps(a##r[k]); c##r##0 = _mm512_fmadd_ps(v, b0, c##r##0); \
-    c##r##1 = _mm512_fmadd_ps(v, b1, c##r##1); }
-#define KCD_STORE(r) if (r < rows) { _mm512_storeu_ps(c + r * ldc, c##r##0); _mm512_storeu_ps(c + r * ldc + 16, c##r##1); }
-static void kcd_pair(long kc, const float *a, long lda, long rows, const float *bp, const float *bq, float *c,
-                     long ldc, int acc) {
-  KMG_ROWS6(KCD_DECL)
-  KMG_ROWS6(KCD_START)
-  _Pragma("GCC unroll 4") for (long k = 0; k < kc; k++) {
-    __m512 b0 = _mm512_loadu_ps(bp), b1 = _mm512_loadu_ps(bq);
-    KMG_ROWS6(KCD_FMA)
-    bp += KMG_NR; bq += KMG_NR;
-  }
-  KMG_ROWS6(KCD_STORE)
-}
-#endif
-
-/* ------------------------------------------------------------------ convolution as GEMM */
-/* One convolution as a GEMM: out[M][Cout] (+ bias) = A @ Bp, A never stored (see kcg_pack) */
-typedef struct {
-  long N, C, H, W, OH, OW, KH, KW, sh, sw, ph, pw, dh, dw, xn, xc, xh, xw, M, K, Cout, panels;
-  const float *x, *Bp, *bias;
-  float *out;
-  int checks, inplace;
-} kcg_t;
-
-/* the k -> (c, kh, kw) tables of the K block starting at pc, entries [k0, k1) */
-static inline void kcg_koff(const kcg_t *g, long pc, long k0, long k1, long *koff, long *kdh, long *kdw) {
-  for (long k = k0; k < k1; k++) {
-    long kk = pc + k, c = kk / (g->KH * g->KW), kh = (kk / g->KW) % g->KH, kw = kk % g->KW;
-    kdh[k] = kh * g->dh; kdw[k] = kw * g->dw;
-    koff[k] = c * g->xc + kh * g->dh * g->xh + kw * g->dw * g->xw;
-  }
-}
-
-/* micro-panel ib of the rows [ic, ic + mc), K block [pc, pc + kc), into dst: the input windows
-   read directly (zeros where padding is read) */
-static inline void kcg_pack(const kcg_t *g, long ic, long mc, long ib, long kc, const long *koff, const long *kdh,
-                            const long *kdw, float *dst) {
-  long rows = mc - ib * KMG_MR < KMG_MR ? mc - ib * KMG_MR : KMG_MR;
-  long base[KMG_MR], ih0[KMG_MR], iw0[KMG_MR];
-  for (long r = 0; r < rows; r++) {
-    long m = ic + ib * KMG_MR + r, n = m / (g->OH * g->OW), oh = (m / g->OW) % g->OH, ow = m % g->OW;
-    ih0[r] = oh * g->sh - g->ph; iw0[r] = ow * g->sw - g->pw;
-    base[r] = n * g->xn + ih0[r] * g->xh + iw0[r] * g->xw;
-  }
-  for (long k = 0; k < kc; k++) {
-    float *d = dst + k * KMG_MR;
-    long off = koff[k];
-    if (!g->checks) {
-      for (long r = 0; r < rows; r++) d[r] = g->x[base[r] + off];
-    } else {
-      for (long r = 0; r < rows; r++) {
-        long ih = ih0[r] + kdh[k], iw = iw0[r] + kdw[k];
-        d[r] = (ih >= 0 && ih < g->H && iw >= 0 && iw < g->W) ? g->x[base[r] + off] : 0.0f;
-      }
-    }
-    for (long r = rows; r < KMG_MR; r++) d[r] = 0.0f;
-  }
-}
-
-/* the tiles of unit u (KMG_STEP panels) and micro-panel ib (packed at ap, unless in place) of
-   the rows [ic, ic + mc), K block [pc, pc + kc); the bias after the last block */
-static inline void kcg_unit(const kcg_t *g, long ic, long mc, long ib, long u, long pc, long kc, const float *ap) {
-  long C = g->C, K = g->K, Cout = g->Cout, panels = g->panels;
-  const float *x = g->x;
-  long m0 = ic + ib * KMG_MR, rows = mc - ib * KMG_MR < KMG_MR ? mc - ib * KMG_MR : KMG_MR;
-  int last = pc + kc >= K;
-  for (long p = u * KMG_STEP; p < panels && p < (u + 1) * KMG_STEP;) {
-    const float *bp = g->Bp + p * K * KMG_NR + pc * KMG_NR;
-    long n0 = p * KMG_NR, w = Cout - n0 < KMG_NR ? Cout - n0 : KMG_NR;
-    float *c = g->out + m0 * Cout + n0;
-#ifdef KMG_PAIRS
-    if (p + 1 < panels && Cout - (p + 1) * KMG_NR >= KMG_NR) {
-      if (g->inplace)
-        for (long r0 = 0; r0 < rows; r0 += 6)
-          kcd_pair(kc, x + (m0 + r0) * C + pc, C, rows - r0 < 6 ? rows - r0 : 6, bp, bp + K * KMG_NR,
-                   c + r0 * Cout, Cout, pc > 0);
-      else
-        kmg_pair(rows, kc, ap, bp, bp + K * KMG_NR, c, Cout, pc > 0);
-      w = 2 * KMG_NR;
-    } else
-#endif
-    if (g->inplace) {
-      for (long r0 = 0; r0 < rows; r0 += 6)
-        kcd_tile(kc, x + (m0 + r0) * C + pc, C, rows - r0 < 6 ? rows - r0 : 6, bp, c + r0 * Cout, Cout, pc > 0, w);
-    } else if (w == KMG_NR) kmg_tile(rows, kc, ap, bp, c, Cout, pc > 0);
-    else kmg_edge(kc, ap, bp, c, Cout, pc > 0, rows, w);
-    if (last && g->bias)
-      for (long r = 0; r < rows; r++)
-        for (long j = 0; j < w; j++) c[r * Cout + j] += g->bias[n0 + j];
-    p += w > KMG_NR ? 2 : 1;
-  }
-}
-
-/* scratch of one thread: a packed block of A and the k tables of one K block */
-typedef struct { float *work; long *koff, *kdh, *kdw; } kcg_scratch;
-
-static int kcg_alloc(kcg_scratch *s, long mc_rounded, long kc_max) {
-  s->work = (float *)aligned_alloc(64, sizeof(float) * (size_t)(mc_rounded * kc_max));
-  s->koff = (long *)malloc(sizeof(long) * (size_t)kc_max);
-  s->kdh = (long *)malloc(sizeof(long) * (size_t)kc_max);
-  s->kdw = (long *)malloc(sizeof(long) * (size_t)kc_max);
-  return s->work && s->koff && s->kdh && s->kdw;
-}
-
-static void kcg_free(kcg_scratch *s) { free(s->work); free(s->koff); free(s->kdh); free(s->kdw); }
-
-/* the rows [m_lo, m_hi) by one thread, with its own scratch */
-static void kcg_rows(const kcg_t *g, long m_lo, long m_hi, kcg_scratch *s) {
-  long units = (g->panels + KMG_STEP - 1) / KMG_STEP;
-  for (long pc = 0; pc < g->K; pc += KMG_KC) {
-    long kc = g->K - pc < KMG_KC ? g->K - pc : KMG_KC;
-    kcg_koff(g, pc, 0, kc, s->koff, s->kdh, s->kdw);
-    for (long ic = m_lo; ic < m_hi; ic += KMG_MC) {
-      long mc = m_hi - ic < KMG_MC ? m_hi - ic : KMG_MC, blocks = (mc + KMG_MR - 1) / KMG_MR;
-      for (long ib = 0; ib < (g->inplace ? 0 : blocks); ib++)
-        kcg_pack(g, ic, mc, ib, kc, s->koff, s->kdh, s->kdw, s->work + ib * KMG_MR * kc);
-      for (long u = 0; u < units; u++)
-        for (long ib = 0; ib < blocks; ib++) kcg_unit(g, ic, mc, ib, u, pc, kc, s->work + ib * KMG_MR * kc);
-    }
-  }
-}
-
-/* out[M][Cout] (+ bias) = A @ Bp with A(m, kk) = x[n, c, oh*sh - ph + kh*dh, ow*sw - pw + kw*dw]
-   (0 outside the input), m = (n, oh, ow), kk = (c, kh, kw); x's element (n,c,h,w) at
-   x[n*xn + c*xc + h*xh + w*xw]; Bp: K x Cout in 16-column panels.  With at least two
-   micro-panels of rows per thread and no more output channels than rows, each thread takes
-   a range of rows with its own scratch (no barriers: the blocks of a small convolution are
-   too short to share); else the threads share each block's (panel, micro-panel) grid.
-   Returns 1 without memory. */
-int kiln_conv_gemm_f32(long N, long C, long H, long W, long OH, long OW, long KH, long KW,
-                       long sh, long sw, long ph, long pw, long dh, long dw,
-                       const float *x, long xn, long xc, long xh, long xw,
-                       const float *Bp, long Cout, const float *bias, float *out, int nthreads) {
-  long M = N * OH * OW, K = C * KH * KW, panels = (Cout + KMG_NR - 1) / KMG_NR;
-  if (M <= 0 || Cout <= 0) return 0;
-  if (K <= 0) {
-    for (long m = 0; m < M; m++)
-      for (long j = 0; j < Cout; j++) out[m * Cout + j] = bias ? bias[j] : 0.0f;
-    return 0;
-  }
-  int checks = ph > 0 || pw > 0;
-  /* 1x1, stride 1, channels-last contiguous input: A is the input matrix [M][C] itself */
-  int inplace = KH == 1 && KW == 1 && sh == 1 && sw == 1 && !checks && xc == 1 && xw == C && xh == W * C
-                && (N == 1 || xn == H * W * C);
-  kcg_t g = {N, C, H, W, OH, OW, KH, KW, sh, sw, ph, pw, dh, dw, xn, xc, xh, xw, M, K, Cout, panels,
-             x, Bp, bias, out, checks, inplace};
-  long mc_max = M < KMG_MC ? M : KMG_MC, kc_max = K < KMG_KC ? K : KMG_KC;
-  long mc_rounded = (mc_max + KMG_MR - 1) / KMG_MR * KMG_MR;
-  int failed = 0;
-  if (M >= 2L * KMG_MR * (nthreads > 1 ? nthreads : 1) && M >= Cout) {
-    #pragma omp parallel num_threads(nthreads)
-    {
-#ifdef _OPENMP
-      long t = omp_get_thread_num(), T = omp_get_num_threads();
-#else
-      long t = 0, T = 1;
-#endif
-      long share = ((M + T - 1) / T + KMG_MR - 1) / KMG_MR * KMG_MR;
-      long lo = t * share, hi = lo + share < M ? lo + share : M;
-      kcg_scratch s;
-      if (!kcg_alloc(&s, mc_rounded, kc_max)) {
-        #pragma omp atomic write
-        failed = 1;
-      } else if (lo < hi) {
-        kcg_rows(&g, lo, hi, &s);
-      }
-      kcg_free(&s);
-    }
-    return failed;
-  }
-  kcg_scratch s;
-  if (!kcg_alloc(&s, mc_rounded, kc_max)) { kcg_free(&s); return 1; }
-  long units = (panels + KMG_STEP - 1) / KMG_STEP;
-  #pragma omp parallel num_threads(nthreads)
-  {
-    for (long pc = 0; pc < K; pc += KMG_KC) {
-      long kc = K - pc < KMG_KC ? K - pc : KMG_KC;
-      #pragma omp single
-      kcg_koff(&g, pc, 0, kc, s.koff, s.kdh, s.kdw);
-      for (long ic = 0; ic < M; ic += KMG_MC) {
-        long mc = M - ic < KMG_MC ? M - ic : KMG_MC, blocks = (mc + KMG_MR - 1) / KMG_MR;
-        #pragma omp for schedule(static)
-        for (long ib = 0; ib < (inplace ? 0 : blocks); ib++)
-          kcg_pack(&g, ic, mc, ib, kc, s.koff, s.kdh, s.kdw, s.work + ib * KMG_MR * kc);
-        #pragma omp for collapse(2) schedule(static)
-        for (long u = 0; u < units; u++)
-          for (long ib = 0; ib < blocks; ib++) kcg_unit(&g, ic, mc, ib, u, pc, kc, s.work + ib * KMG_MR * kc);
-      }
-    }
-  }
-  kcg_free(&s);
-  return 0;
-}
-
-/* ------------------------------------------------------------------ depthwise */
-#define KDW_PX 4
-/* acc[p][0..cw) += x(pixel p)[c0..] * w[c0..] over the taps; a block of up to 4 output pixels
-   of one row and up to 16 channels (cw), AVX2 registers when available. */
-#if defined(__AVX2__) && defined(__FMA__)
-static inline __m256i kdw_mask(long n) {
-  const int idx[8] = {0, 1, 2, 3, 4, 5, 6, 7};
-  __m256i i = _mm256_loadu_si256((const __m256i *)idx);
-  return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)n), i);
-}
-#define KDW_LOAD(p, m) (full ? _mm256_loadu_ps(p) : _mm256_maskload_ps(p, m))
-static inline __attribute__((always_inline)) void kdw_block(
-    const float *xi, long xh, long xw, const float *wt, long C, long c0, long cw, const float *bias, long H,
-    long W, long KH, long KW, long sw, long pw, long dh, long dw, long ih0, long ow, long px, float *orow,
-    const int full, const int inside) {
-  __m256i m0 = kdw_mask(cw), m1 = kdw_mask(cw - 8);
-  __m256 b0 = bias ? _mm256_maskload_ps(bias + c0, m0) : _mm256_setzero_ps();
-  __m256 b1 = bias ? _mm256_maskload_ps(bias + c0 + 8, m1) : _mm256_setzero_ps();
-  __m256 a00 = b0, a01 = b1, a10 = b0, a11 = b1, a20 = b0, a21 = b1, a30 = b0, a31 = b1;
-  for (long kh = 0; kh < KH; kh++) {
-    long ih = ih0 + kh * dh;
-    if (ih < 0 || ih >= H) continue;
-    const float *xr = xi + ih * xh + c0;
-    for (long kw = 0; kw < KW; kw++) {
-      const float *wp = wt + (kh * KW + kw) * C + c0;
-      __m256 w0 = KDW_LOAD(wp, m0), w1 = KDW_LOAD(wp + 8, m1);
-      long iw = ow * sw - pw + kw * dw;
-#define KDW_PIX(P, A0, A1) \
-      if ((full && inside) || (P < px && iw + P * sw >= 0 && iw + P * sw < W)) { \
-        const float *xp = xr + (iw + P * sw) * xw; \
-        A0 = _mm256_fmadd_ps(KDW_LOAD(xp, m0), w0, A0); \
-        A1 = _mm256_fmadd_ps(KDW_LOAD(xp + 8, m1), w1, A1); \
-      }
-      KDW_PIX(0, a00, a01) KDW_PIX(1, a10, a11) KDW_PIX(2, a20, a21) KDW_PIX(3, a30, a31)
-#undef KDW_PIX
-#undef KDW_LOAD
-    }
-  }
-  float *o = orow + ow * C + c0;
-  if (full && inside) {
-    _mm256_storeu_ps(o, a00); _mm256_storeu_ps(o + 8, a01); _mm256_storeu_ps(o + C, a10);
-    _mm256_storeu_ps(o + C + 8, a11); _mm256_storeu_ps(o + 2 * C, a20); _mm256_storeu_ps(o + 2 * C + 8, a21);
-    _mm256_storeu_ps(o + 3 * C, a30); _mm256_storeu_ps(o + 3 * C + 8, a31);
-    return;
-  }
-  _mm256_maskstore_ps(o, m0, a00); _mm256_maskstore_ps(o + 8, m1, a01);
-  if (px > 1) { _mm256_maskstore_ps(o + C, m0, a10); _mm256_maskstore_ps(o + C + 8, m1, a11); }
-  if (px > 2) { _mm256_maskstore_ps(o + 2 * C, m0, a20); _mm256_maskstore_ps(o + 2 * C + 8, m1, a21); }
-  if (px > 3) { _mm256_maskstore_ps(o + 3 * C, m0, a30); _mm256_maskstore_ps(o + 3 * C + 8, m1, a31); }
-}
-#else
-static inline void kdw_block(const float *xi, long xh, long xw, const float *wt, long C, long c0, long cw,
-                             const float *bias, long H, long W, long KH, long KW, long sw, long pw, long dh, long dw,
-                             long ih0, long ow, long px, float *orow, const int full, const int inside) {
-  (void)full; (void)inside;
-  float acc[KDW_PX][16];
-  for (long p = 0; p < px; p++)
-    for (long c = 0; c < cw; c++) acc[p][c] = bias ? bias[c0 + c] : 0.0f;
-  for (long kh = 0; kh < KH; kh++) {
-    long ih = ih0 + kh * dh;
-    if (ih < 0 || ih >= H) continue;
-    for (long kw = 0; kw < KW; kw++) {
-      const float *wp = wt + (kh * KW + kw) * C + c0;
-      for (long p = 0; p < px; p++) {
-        long iw = (ow + p) * sw - pw + kw * dw;
-        if (iw < 0 || iw >= W) continue;
-        const float *xp = xi + ih * xh + iw * xw + c0;
-        for (long c = 0; c < cw; c++) acc[p][c] += xp[c] * wp[c];
-      }
-    }
-  }
-  for (long p = 0; p < px; p++)
-    for (long c = 0; c < cw; c++) orow[(ow + p) * C + c0 + c] = acc[p][c];
-}
-#endif
-
-/* out[n,oh,ow,c] (NHWC) = bias[c] + sum_(kh,kw) x[n, ih, iw, c] wt[kh][kw][c];
-   x's element (n,c,h,w) at x[n*xn + c + h*xh + w*xw] (channels unit-stride). */
-void kiln_conv_dw_f32(long N, long C, long H, long W, long OH, long OW, long KH, long KW,
-                      long sh, long sw, long ph, long pw, long dh, long dw,
-                      const float *x, long xn, long xh, long xw,
-                      const float *wt, const float *bias, float *out, int nthreads) {
-  #pragma omp parallel for collapse(2) schedule(static) num_threads(nthreads)
-  for (long n = 0; n < N; n++) {
-    for (long oh = 0; oh < OH; oh++) {
-      float *orow = out + (n * OH + oh) * OW * C;
-      for (long ow = 0; ow < OW; ow += KDW_PX) {
-        long px = OW - ow < KDW_PX ? OW - ow : KDW_PX;
-        /* every tap of the block's pixels inside the row: no bounds checks */
-        int inside = px == KDW_PX && ow * sw - pw >= 0 && (ow + px - 1) * sw - pw + (KW - 1) * dw < W;
-        const float *xi = x + n * xn;
-        long ih0 = oh * sh - ph, c0 = 0;
-        if (inside)
-          for (; c0 + 16 <= C; c0 += 16)
-            kdw_block(xi, xh, xw, wt, C, c0, 16, bias, H, W, KH, KW, sw, pw, dh, dw, ih0, ow, px, orow, 1, 1);
-        for (; c0 < C; c0 += 16)
-          kdw_block(xi, xh, xw, wt, C, c0, C - c0 < 16 ? C - c0 : 16, bias, H, W, KH, KW, sw, pw, dh, dw, ih0, ow,
-                    px, orow, 0, 0);
-      }
-    }
-  }
-}
-
-/* the same with the sizes and strides in one array (a call from Python converts 6 arguments,
-   not 24): g = N C H W OH OW KH KW sh sw ph pw dh dw, then x's strides (n c h w), then Cout */
-int kiln_conv_gemm_g(const long *g, const float *x, const float *Bp, const float *bias, float *out, int nthreads) {
-  return kiln_conv_gemm_f32(g[0], g[1], g[2], g[3], g[4], g[5], g[6], g[7], g[8], g[9], g[10], g[11], g[12], g[13],
-                            x, g[14], g[15], g[16], g[17], Bp, g[18], bias, out, nthreads);
-}
-/* g = N C H W OH OW KH KW sh sw ph pw dh dw, then x's strides (n h w) */
-void kiln_conv_dw_g(const long *g, const float *x, const float *wt, const float *bias, float *out, int nthreads) {
-  kiln_conv_dw_f32(g[0], g[1], g[2], g[3], g[4], g[5], g[6], g[7], g[8], g[9], g[10], g[11], g[12], g[13],
-                   x, g[14], g[15], g[16], wt, bias, out, nthreads);
-}
-"""
 
 _L = ctypes.c_long
 _P = ctypes.c_void_p
 
 
-def _kernels() -> tuple[ctypes._CFuncPtr, ctypes._CFuncPtr] | None:
+def _kernels() -> dict[str, ctypes._CFuncPtr] | None:
     lib = load_library(SOURCE)
     if lib is None:
         return None
-    gemm, dw = lib.kiln_conv_gemm_g, lib.kiln_conv_dw_g
-    gemm.argtypes = [_P] * 5 + [ctypes.c_int]
-    gemm.restype = ctypes.c_int
-    dw.argtypes = [_P] * 5 + [ctypes.c_int]
-    dw.restype = None
-    return gemm, dw
+    kernels = {"gemm": lib.kiln_conv_gemm_g, "depthwise": lib.kiln_conv_dw_g, "direct": lib.kiln_conv_direct_g}
+    for fn in kernels.values():
+        fn.argtypes = [_P] * 5 + [ctypes.c_int]
+        fn.restype = ctypes.c_int
+    kernels["depthwise"].restype = None
+    return kernels
 
 
 def kind(x_shape: tuple[int, ...], w_shape: tuple[int, ...], stride: tuple[int, ...], padding: tuple[int, ...],
          dilation: tuple[int, ...], groups: int) -> str | None:
     """Which kiln kernel a 2-d convolution is for: ``"depthwise"``, ``"gemm"`` (1x1 or
     patchify; :func:`conv2d` runs any ungrouped convolution as an implicit GEMM, but only
-    these two are offered against oneDNN) or ``None``."""
+    these two are offered against oneDNN), ``"direct"`` (at most :data:`DIRECT_MAX_CHANNELS`
+    input channels and a larger window: a stem) or ``None``."""
     c, cout, (kh, kw) = x_shape[1], w_shape[0], w_shape[2:]
     if groups > 1:
         return "depthwise" if groups == c == cout and w_shape[1] == 1 else None
+    if c <= DIRECT_MAX_CHANNELS and (kh, kw) != (1, 1) and tuple(stride) != (kh, kw):
+        return "direct"
     if (kh, kw) == (1, 1) and tuple(padding) == (0, 0):
         return "gemm"
     if tuple(stride) == (kh, kw) and tuple(padding) == (0, 0) and tuple(dilation) == (1, 1):
         return "gemm"
     return None
+
+
+DIRECT_MAX_CHANNELS = 4
+"""Input channels up to which an ungrouped k x k convolution is offered the direct kernel."""
 
 
 def _out_size(size: int, k: int, s: int, p: int, d: int) -> int:
@@ -467,14 +113,14 @@ class KilnConv2d:
 
     def __init__(self, kernel_kind: str, stride: tuple[int, ...], padding: tuple[int, ...],
                  dilation: tuple[int, ...], groups: int):
-        if kernel_kind not in ("gemm", "depthwise"):
-            raise ValueError(f"unknown kiln convolution kind {kernel_kind!r} (gemm, depthwise)")
+        if kernel_kind not in ("gemm", "depthwise", "direct"):
+            raise ValueError(f"unknown kiln convolution kind {kernel_kind!r} (gemm, depthwise, direct)")
         kernels = _kernels()
         if kernels is None:
             raise RuntimeError("kiln convolutions need a C compiler with OpenMP (set $CC or install gcc)")
         self.kind = kernel_kind
         self.stride, self.padding, self.dilation, self.groups = tuple(stride), tuple(padding), tuple(dilation), groups
-        self._gemm, self._dw = kernels
+        self._run = kernels[kernel_kind]
         self._packed: tuple[tuple | None, torch.Tensor, torch.Tensor] | None = None
         self._plans: dict[tuple, tuple] = {}
         """Per operand signature (shapes, strides, dtypes): what :meth:`_plan` found."""
@@ -492,6 +138,10 @@ class KilnConv2d:
                 b = w.reshape(cout, -1).t()  # K x Cout, k = (c, kh, kw)
                 weight = torch.empty(microgemm.packed_shape(b.shape[0], cout), dtype=torch.float32)
                 microgemm.pack_panels(b, weight)
+            elif self.kind == "direct":  # [C][KH][KW][Cout padded to 16]
+                cout = w.shape[0]
+                weight = torch.zeros((*w.shape[1:], -(-cout // 16) * 16), dtype=torch.float32)
+                weight[..., :cout] = w.permute(1, 2, 3, 0)
             else:
                 weight = w[:, 0].permute(1, 2, 0).contiguous()  # [KH][KW][C]
             self._packed = (key, weight, source)  # the source kept: see version_key
@@ -509,8 +159,7 @@ class KilnConv2d:
         if relayout:
             x = x.contiguous(memory_format=torch.channels_last)
         out = torch.empty(out_shape, dtype=torch.float32)
-        run = self._gemm if self.kind == "gemm" else self._dw
-        if run(geometry, x.data_ptr(), weight.data_ptr(), 0 if b is None else b.data_ptr(), out.data_ptr(), threads()):
+        if self._run(geometry, x.data_ptr(), weight.data_ptr(), 0 if b is None else b.data_ptr(), out.data_ptr(), threads()):
             raise MemoryError("kiln conv2d could not allocate its packing buffers")
         return out.permute(0, 3, 1, 2)
 
@@ -534,7 +183,7 @@ class KilnConv2d:
             raise ValueError(f"convolution output {oh}x{ow} is empty for input {tuple(x.shape)}")
         sizes = [n, c, h, wd, oh, ow, kh, kw, sh, sw, ph, pw, dh, dw]
         relayout = self.kind == "depthwise" and c > 1 and x.stride(1) != 1
-        if self.kind == "gemm":
+        if self.kind != "depthwise":
             sizes += [*x.stride(), cout]
         else:
             strides = x.contiguous(memory_format=torch.channels_last).stride() if relayout else x.stride()
@@ -544,12 +193,12 @@ class KilnConv2d:
 
 
 def conv2d(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, *, stride=(1, 1), padding=(0, 0),
-           dilation=(1, 1), groups: int = 1) -> torch.Tensor:
+           dilation=(1, 1), groups: int = 1, direct: bool = False) -> torch.Tensor:
     """A float32 2-d convolution on kiln's kernels (depthwise when ``groups`` equals the
-    channels, else the implicit GEMM, which needs ``groups = 1``); NCHW in and out (the
-    result stored channels-last)."""
+    channels, else the implicit GEMM, or with ``direct`` the direct kernel, both of which
+    need ``groups = 1``); NCHW in and out (the result stored channels-last)."""
     if groups == 1:
-        kernel_kind = "gemm"
+        kernel_kind = "direct" if direct else "gemm"
     elif x.dim() == 4 and groups == x.shape[1] == w.shape[0] and w.shape[1] == 1:
         kernel_kind = "depthwise"
     else:
