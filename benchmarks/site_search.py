@@ -14,6 +14,14 @@ random search given the same number of distinct measured vectors.
 ::
 
     python -m benchmarks.site_search --budget 48 --screen-rounds 5 --ppo-steps 12288 --out /tmp/site_search.json
+
+``--kind duplicate|layout|remat`` searches another per-site action kind
+(:mod:`kiln.tuning.rl.site_kinds`) the same way: all yes, (remat) the minimum cut's choice,
+single sites answered yes, random vectors; screening, then the finalists and a second build
+of the default in interleaved final rounds.  A vector's score is its time ratio minus
+``--memory-weight`` (default 1 for remat, else 0) times the relative change of the cpu
+backend's planned peak; ``remat`` searches each model's training graph (forward and backward
+of the mean square of its output).  ``--ppo-steps`` applies to ``fuse`` only.
 """
 
 from __future__ import annotations
@@ -69,11 +77,18 @@ MODELS: dict[str, Callable[[], tuple]] = {
 a small CNN, mlp, decomposed, training, random; held out: opt, distilbert, convnext)."""
 
 
-def capture_model(name: str):
+def capture_model(name: str, training: bool = False):
+    """The captured graph of a model; with ``training``, the joint forward + backward graph of
+    its :class:`~kiln.tuning.rl.zoo.ScalarLoss` (``kiln.passes.autodiff.grad_graph``)."""
     from kiln.frontends.torch.capture import capture
 
     model, args = MODELS[name]()
-    return capture(model.eval(), tuple(args)).graph
+    if not training:
+        return capture(model.eval(), tuple(args)).graph
+    from kiln.passes.autodiff import grad_graph
+    from kiln.tuning.rl.zoo import ScalarLoss
+
+    return grad_graph(capture(ScalarLoss(model.eval()), tuple(args)).graph).graph
 
 
 # ------------------------------------------------------------------------------ candidates
@@ -178,6 +193,109 @@ def search_model(name: str, *, budget: int, screen_rounds: int, finalists: int, 
     return result
 
 
+# ------------------------------------------------------------------------------ other kinds
+KINDS = ("fuse", "duplicate", "layout", "remat")
+"""Per-site action kinds ``--kind`` searches (``fuse``: :class:`FusionSites`; the others:
+:mod:`kiln.tuning.rl.site_kinds`)."""
+
+
+def kind_problem(kind: str, name: str):
+    from kiln.tuning.rl.site_kinds import DuplicateSites, LayoutSites, RematSites
+
+    if kind == "remat":
+        return RematSites(capture_model(name, training=True), name=name)
+    return {"duplicate": DuplicateSites, "layout": LayoutSites}[kind](capture_model(name), name=name)
+
+
+def kind_candidates(problem, budget: int, rng: np.random.Generator) -> list[tuple[str, tuple[bool, ...]]]:
+    """``(label, decisions)`` of a kind with fixed sites: all yes; remat's own (minimum cut)
+    choice; every single site answered yes (all of them if they fit in half the remaining
+    budget, else a sample); then random vectors (yes probability 0.5 and 0.1 alternately)."""
+    n = problem.default_sites
+    out = [("all yes", problem.answers(lambda i: True))]
+    if hasattr(problem, "min_cut"):
+        out.append(("min cut", problem.min_cut))
+    room = max(0, budget - len(out))
+    flips = list(range(n)) if n <= room // 2 else sorted(rng.choice(n, size=room // 2, replace=False).tolist())
+    out += [(f"yes {i}", problem.answers(lambda j, i=i: j == i)) for i in flips]
+    k = 0
+    while len(out) < budget:
+        p = 0.5 if k % 2 == 0 else 0.1
+        out.append((f"random p={p}", problem.answers(lambda i, p=p: rng.random() < p)))
+        k += 1
+    return out[:budget]
+
+
+def search_kind(kind: str, name: str, *, budget: int, screen_rounds: int, finalists: int, final_rounds: int,
+                timer: SiteTimer, seed: int, log: Callable[[str], None], memory_weight: float) -> dict[str, Any]:
+    """The search of :func:`search_model` for a kind of :mod:`kiln.tuning.rl.site_kinds`: the
+    score of a vector is its time ratio minus ``memory_weight`` times the relative change of
+    the cpu backend's planned peak (``arena_bytes``)."""
+    problem = kind_problem(kind, name)
+    rng = np.random.default_rng(seed)
+    default_run = timer.build(*problem.default_build())
+    default_arena = default_run.info["arena_bytes"]
+    reference = default_run()
+    log(f"{name} [{kind}]: {problem.default_sites} sites, all-no build == default: "
+        f"{str(problem.graph(())) == str(problem.default_build()[0]) and problem.build(())[1] == problem.default_build()[1]}")
+    seen: dict[tuple[bool, ...], dict[str, Any]] = {}
+    runs: dict[tuple[bool, ...], Callable[[], Any]] = {}
+    wrong = []
+    for label, decisions in kind_candidates(problem, budget, rng) if problem.default_sites else []:
+        key = problem.key(decisions)
+        if key in seen or not any(key):
+            continue
+        run = timer.build(*problem.build(key))
+        if not outputs_match(run(), reference):
+            wrong.append(label)
+        t = timer.times({"default": default_run, "candidate": run}, screen_rounds)
+        memory = run.info["arena_bytes"] / max(1, default_arena) - 1.0
+        ratio = median(t["default"]) / median(t["candidate"])
+        seen[key] = {"label": label, "merged": sum(key), "of": len(key), "screen_ratio": ratio, "memory": memory,
+                     "screen_score": ratio - memory_weight * memory}
+        runs[key] = run
+    final_keys = sorted(seen, key=lambda k: -seen[k]["screen_score"])[:finalists]
+    pool: dict[Any, Callable[[], Any]] = {"default": default_run,
+                                          "default again": timer.build(problem.default_build()[0].clone(),
+                                                                       problem.default_build()[1])}
+    pool.update({k: runs[k] for k in final_keys})
+    t = timer.times(pool, final_rounds)
+    default_s = median(t["default"])
+    finals = sorted((dict(seen[k], final_ms=median(t[k]) * 1e3, final_ratio=default_s / median(t[k]),
+                          final_score=default_s / median(t[k]) - memory_weight * seen[k]["memory"])
+                     for k in final_keys), key=lambda e: -e["final_score"])
+    best = finals[0] if finals else None
+    result = {
+        "model": name, "kind": kind, "sites": problem.default_sites, "default_ms": default_s * 1e3,
+        "default_arena_bytes": default_arena, "noise_ratio": default_s / median(t["default again"]),
+        "measured": len(seen), "screen_rounds": screen_rounds, "final_rounds": final_rounds,
+        "memory_weight": memory_weight, "best": best, "finals": finals, "wrong_outputs": wrong,
+        "random_screen": _stats([e["screen_ratio"] for e in seen.values() if e["label"].startswith("random")]),
+    }
+    log(f"{name} [{kind}]: default {default_s * 1e3:.3f} ms; best finalist {best['label'] if best else '-'} "
+        f"{best['final_ratio'] if best else float('nan'):.3f}x; noise {result['noise_ratio']:.3f}x; "
+        f"{len(seen)} vectors measured, {len(wrong)} with wrong outputs")
+    return result
+
+
+def kind_table(results: list[dict[str, Any]]) -> str:
+    lines = ["| model | kind | sites | default (ms) | best (ms) | best / default | peak change | score | best vector | "
+             "vectors measured | final rounds | noise (default / default) | random vectors (screen: n, median, best) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        b = r["best"]
+        if b is None:
+            lines.append(f"| {r['model']} | {r['kind']} | {r['sites']} | {r['default_ms']:.3f} | - | - | - | - | "
+                         f"no vector measured | 0 | - | - | - |")
+            continue
+        lines.append(
+            f"| {r['model']} | {r['kind']} | {r['sites']} | {r['default_ms']:.3f} | {b['final_ms']:.3f} | "
+            f"{b['final_ratio']:.3f}x | {b['memory']:+.1%} | {b['final_score']:.3f} | {b['label']} "
+            f"({b['merged']}/{b['of']} yes) | {r['measured']} | {r['final_rounds']} | {r['noise_ratio']:.3f}x | "
+            f"{_random(r)} |")
+    return "\n".join(lines)
+
+
 # ------------------------------------------------------------------------------ PPO
 PPO_CORPUS = ("small-cnn", "resnet18-32", "resnet18-64", "mlp-relu-64")
 """Default training graphs of ``--ppo-steps``: pass-ordering corpus graphs (cnn and mlp families)."""
@@ -258,12 +376,29 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="train MaskablePPO this many env steps on --ppo-corpus first (0: skip)")
     parser.add_argument("--ppo-corpus", default=",".join(PPO_CORPUS))
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON")
+    parser.add_argument("--kind", choices=KINDS, default="fuse",
+                        help="the per-site action kind to search (default: fuse)")
+    parser.add_argument("--memory-weight", type=float, default=None,
+                        help="weight of the relative planned-peak change in a vector's score (default: 1 for "
+                             "remat, 0 for the other kinds)")
     args = parser.parse_args(argv)
 
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
     timer = SiteTimer(threads=args.threads)
+    if args.kind != "fuse":
+        weight = args.memory_weight if args.memory_weight is not None else float(args.kind == "remat")
+        found = [search_kind(args.kind, name, budget=args.budget, screen_rounds=args.screen_rounds,
+                             finalists=args.finalists, final_rounds=args.final_rounds, timer=timer, seed=args.seed,
+                             log=log, memory_weight=weight) for name in args.models.split(",")]
+        print(kind_table(found))
+        if args.out is not None:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            meta = {"argv": list(argv) if argv is not None else sys.argv[1:], "machine": platform.machine(),
+                    "threads": args.threads, "kind": args.kind, "memory_weight": weight}
+            args.out.write_text(json.dumps({"meta": meta, "results": found}, indent=1, default=str))
+        return 0
     policy, ppo = None, None
     if args.ppo_steps:
         policy, ppo = train_on_corpus(args.ppo_corpus.split(","), args.ppo_steps, timer, args.screen_rounds,

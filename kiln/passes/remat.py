@@ -9,6 +9,9 @@ Two users of one choice (:func:`choose_recomputation`):
   :func:`kiln.compile_train`): it inserts a clone of each chosen node right before its first
   backward use and rewires every backward use to the clone, so the original forward value
   dies after its last forward use and a liveness-based memory plan reuses its buffer.
+  ``rematerialize(..., recompute=names)`` clones a given set of
+  :func:`recomputation_candidates` instead of the cut's choice (the per-site environment
+  ``kiln/RematSites-v0`` of :mod:`kiln.tuning.rl.site_kinds` answers each candidate).
 
 The choice is a minimum s-t cut (as in AOTAutograd's partitioner) over the forward nodes
 the backward depends on:
@@ -34,7 +37,7 @@ mask: ``split_joint`` saves masks.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -66,10 +69,7 @@ def choose_recomputation(forward: Sequence[Node], backward: Sequence[Node],
     """
     import networkx as nx  # imported on first use: most programs never rematerialize
 
-    in_forward = set(forward)
-    read = {v for n in backward for v in n.inputs} | set(grads)
-    needed = {v for v in read if v.origin == "result" and v.producer in in_forward}
-    relevant = _ancestors_within({v.producer for v in needed}, in_forward)
+    needed, relevant = _needed_and_relevant(forward, backward, grads)
     if not relevant:
         return set()
     big = len(relevant) + 1
@@ -89,6 +89,15 @@ def choose_recomputation(forward: Sequence[Node], backward: Sequence[Node],
             flow.add_edge(node_out, "sink")
     _, (_, sink_side) = nx.minimum_cut(flow, "source", "sink")
     return _required(needed, {n for n in relevant if ("in", n) in sink_side})
+
+
+def _needed_and_relevant(forward: Sequence[Node], backward: Sequence[Node],
+                         grads: Sequence[Value]) -> tuple[set[Value], set[Node]]:
+    """The forward results the backward reads, and the forward nodes they depend on."""
+    in_forward = set(forward)
+    read = {v for n in backward for v in n.inputs} | set(grads)
+    needed = {v for v in read if v.origin == "result" and v.producer in in_forward}
+    return needed, _ancestors_within({v.producer for v in needed}, in_forward)
 
 
 def _ancestors_within(roots: set[Node], allowed: set[Node]) -> set[Node]:
@@ -119,7 +128,45 @@ def _required(needed: set[Value], recomputed: set[Node]) -> set[Node]:
 
 
 # ------------------------------------------------------------------- inside one joint graph
-def rematerialize(graph: Graph, *, loss: int = 0) -> tuple[Graph, int]:
+def _split(graph: Graph, loss: int) -> tuple[set[Node], list[Node], list[Node]]:
+    """(ancestors of output ``loss``, the forward nodes remat may clone, the backward nodes)."""
+    if not 0 <= loss < len(graph.outputs):
+        raise KilnError(f"remat: graph @{graph.name} has {len(graph.outputs)} outputs, so loss={loss} "
+                        "names none; give the index of the output the forward part computes")
+    loss_value = graph.outputs[loss]
+    roots = {loss_value.producer} if loss_value.origin == "result" else set()
+    forward_set = _ancestors_within(roots, set(graph.nodes))
+    outputs = set(graph.outputs)
+    forward = [n for n in graph.nodes if n in forward_set and not outputs.intersection(n.outputs)]
+    backward = [n for n in graph.nodes if n not in forward_set]
+    return forward_set, forward, backward
+
+
+def _given(forward: Sequence[Node], backward: Sequence[Node], names: set[str]) -> set[Node]:
+    """The candidates named in ``names`` (by their first result) that the backward uses."""
+    needed, relevant = _needed_and_relevant(forward, backward, ())
+    named = {n for n in relevant if is_recomputable(n, random=True) and n.outputs[0].name in names}
+    return _required(needed, named)
+
+
+def recomputation_candidates(graph: Graph, *, loss: int = 0) -> tuple[list[Node], set[Node]]:
+    """``(candidates, chosen)`` of a joint graph: the forward nodes :func:`rematerialize` may
+    recompute (recomputable, random ones included, and an ancestor of a forward result the
+    backward reads), in graph order, and the ones its minimum cut recomputes."""
+    _, forward, backward = _split(graph, loss)
+    _, relevant = _needed_and_relevant(forward, backward, ())
+    candidates = [n for n in graph.nodes if n in relevant and is_recomputable(n, random=True)]
+    return candidates, choose_recomputation(forward, backward, (), random=True)
+
+
+def recomputed_names(graph: Graph, names: Collection[str], *, loss: int = 0) -> set[str]:
+    """The names of ``names`` (candidates' first results) that :func:`rematerialize` with
+    ``recompute=names`` clones: those the backward uses, directly or through other clones."""
+    _, forward, backward = _split(graph, loss)
+    return {n.outputs[0].name for n in _given(forward, backward, set(names))}
+
+
+def rematerialize(graph: Graph, *, loss: int = 0, recompute: Collection[str] | None = None) -> tuple[Graph, int]:
     """Recompute cheap forward values inside a joint graph; returns ``(graph, recomputed)``.
 
     The forward part is every node the output ``loss`` depends on; every other node is
@@ -134,19 +181,18 @@ def rematerialize(graph: Graph, *, loss: int = 0) -> tuple[Graph, int]:
     outputs, computes the same values and keeps nodes in a valid (topological) order;
     ``recomputed`` is the number of clones; with nothing worth recomputing the input graph
     itself is returned with ``0``.
+
+    ``recompute`` (default: the minimum cut's choice) names the forward nodes to recompute
+    instead, by their first result, among :func:`recomputation_candidates`; named nodes the
+    backward does not use (directly or through another recomputed node) are not cloned.
     """
-    if not 0 <= loss < len(graph.outputs):
-        raise KilnError(f"remat: graph @{graph.name} has {len(graph.outputs)} outputs, so loss={loss} "
-                        "names none; give the index of the output the forward part computes")
     g = graph.clone()
-    loss_value = g.outputs[loss]
-    roots = {loss_value.producer} if loss_value.origin == "result" else set()
-    forward_set = _ancestors_within(roots, set(g.nodes))
-    outputs = set(g.outputs)
-    forward = [n for n in g.nodes if n in forward_set and not outputs.intersection(n.outputs)]
-    backward = [n for n in g.nodes if n not in forward_set]
-    recompute = choose_recomputation(forward, backward, (), random=True)
-    if not recompute:
+    forward_set, forward, backward = _split(g, loss)
+    if recompute is None:
+        chosen = choose_recomputation(forward, backward, (), random=True)
+    else:
+        chosen = _given(forward, backward, set(recompute))
+    if not chosen:
         return graph, 0
     clones: dict[Value, Value] = {}
     taken = {v.name for v in g.values()}
@@ -154,8 +200,8 @@ def rematerialize(graph: Graph, *, loss: int = 0) -> tuple[Graph, int]:
     for node in list(g.nodes):  # clones are appended to g.nodes; ``order`` is the final order
         if node not in forward_set:
             for value in node.inputs:
-                if value.origin == "result" and value.producer in recompute and value not in clones:
-                    order += _clone_with_operands(g, value.producer, recompute, clones, taken)
+                if value.origin == "result" and value.producer in chosen and value not in clones:
+                    order += _clone_with_operands(g, value.producer, chosen, clones, taken)
             node.inputs = tuple(clones.get(v, v) for v in node.inputs)
         order.append(node)
     g.nodes = order
@@ -211,4 +257,4 @@ class Rematerialize(Pass):
 
 
 __all__ = ["RECOMPUTABLE_TRAITS", "Rematerialize", "choose_recomputation", "is_recomputable",
-           "rematerialize"]
+           "recomputation_candidates", "recomputed_names", "rematerialize"]

@@ -28,7 +28,12 @@ Options (defaults in ``CpuBackend.option_defaults``):
   (a testing aid that exposes reads of unwritten memory);
 * ``updated_params`` (()): names of params the caller changes before every call (a
   training step's weights, which ``kiln.compile_train`` passes): their GEMMs read them as
-  they are instead of from a packed copy that would be made again at every call.
+  they are instead of from a packed copy that would be made again at every call;
+* ``nchw_convs`` (()): names of the results of convolution nodes (plain ``conv`` nodes, or
+  ``fused`` nodes whose anchor is a convolution) whose results stay NCHW: their library
+  call's result is made contiguous NCHW instead of kept channels-last, so no layout
+  conversion is planned around them (the per-site layout choice of
+  :mod:`kiln.tuning.rl.site_kinds`).
 
 Thread safety: the executable may be called from several threads at once; each thread gets
 its own workspace (arena and pointer arrays), so calls never share intermediate buffers.
@@ -78,7 +83,7 @@ class CpuBackend(CompiledBackend):
     name: ClassVar[str] = "cpu"
     option_defaults: ClassVar[Mapping[str, Any]] = {
         "cache": True, "cache_dir": None, "select": "rule", "threads": None, "schedule": True, "poison": False,
-        "updated_params": (),
+        "updated_params": (), "nchw_convs": (),
     }
     selection = SELECTION
     device: ClassVar[str] = "cpu"
@@ -89,7 +94,8 @@ class CpuBackend(CompiledBackend):
         cache = CompileCache(opts["cache_dir"], enabled=bool(opts["cache"]))
         cc = toolchain.find_compiler()
         return CpuBuild(self, cache, cc, threads=threads, schedule=bool(opts["schedule"]), poison=bool(opts["poison"]),
-                        tuner=_tuner(cache, cc, threads, persist=True), updated=opts["updated_params"])
+                        tuner=_tuner(cache, cc, threads, persist=True), updated=opts["updated_params"],
+                        nchw=opts["nchw_convs"])
 
 
 def _tuner(cache: CompileCache, cc: str, threads: int, *, persist: bool) -> GemmTuner:
@@ -104,10 +110,13 @@ class CpuBuild(BuildPipeline):
     executable_type = CpuExecutable
 
     def __init__(self, backend: CpuBackend, cache: CompileCache, cc: str, *, threads: int, schedule: bool,
-                 poison: bool = False, tuner: GemmTuner | None = None, updated: Sequence[str] = ()):
+                 poison: bool = False, tuner: GemmTuner | None = None, updated: Sequence[str] = (),
+                 nchw: Sequence[str] = ()):
         super().__init__(backend, cache, toolchain.cpu_compiler(cc), poison=poison)
         self.updated = frozenset(updated)
         """Params the caller changes at every call (a training step's weights): never packed."""
+        self.nchw = frozenset(nchw)
+        """Results of convolution nodes kept NCHW (option ``nchw_convs``)."""
         self.cc = cc
         self.threads = threads
         self.schedule = schedule
@@ -117,7 +126,7 @@ class CpuBuild(BuildPipeline):
         tuner = self.tuner
         gemm = tuner.choose if blas_providers() or tuner.micro is not None else None
         return CpuPartitioner(graph, self.backend, gemm, tune_sizes=getattr(self, "tune_sizes", None),
-                              updated=self.updated).run(choose)
+                              updated=self.updated, nchw=self.nchw).run(choose)
 
     def size_buckets(self, graph: Graph) -> list[dict[str, int]]:
         """GEMM provider buckets of a graph with one named size: the size at
@@ -136,6 +145,8 @@ class CpuBuild(BuildPipeline):
                    "gemm": _providers(plan), "schedule_records": _records_digest(self)}
         if self.updated:
             options["updated_params"] = sorted(self.updated)
+        if self.nchw:
+            options["nchw_convs"] = sorted(self.nchw)
         return options
 
     def build_identity(self) -> str:

@@ -13,7 +13,8 @@ convolution chains.
   the NHWC (3-d: NDHWC) tensor and the NCHW value is a ``permute`` view of it; a 4-d or 5-d
   kernel result whose every reader is such a convolution or another kernel is written
   channels-last too (:func:`kiln.backends.common.absorb.permute_result`), so convolution
-  chains never convert layouts between layers.
+  chains never convert layouts between layers.  Convolution nodes named in ``nchw``
+  (the backend option ``nchw_convs``) return contiguous NCHW results instead.
 """
 
 from __future__ import annotations
@@ -44,8 +45,11 @@ class CpuPartitioner(Partitioner):
     (the GEMM tuner's ``choose``) allows native GEMM kernels."""
 
     def __init__(self, graph: Graph, backend: Backend, gemm: GemmChooser | None = None,
-                 tune_sizes: dict[str, int] | None = None, updated: frozenset[str] = frozenset()):
+                 tune_sizes: dict[str, int] | None = None, updated: frozenset[str] = frozenset(),
+                 nchw: frozenset[str] = frozenset()):
         super().__init__(graph, backend)
+        self.nchw = nchw
+        """Result names of convolution nodes whose results stay NCHW (option ``nchw_convs``)."""
         self.updated = updated
         """Params that change at every call (a training step's weights): a packed copy of one
         would be made again at every call, so their GEMMs read them as they are."""
@@ -179,6 +183,10 @@ class CpuPartitioner(Partitioner):
     # ----------------------------------------------------------------- layouts
     def library(self, call: LibraryCall, ins: list[PlanValue], outs: list[Value], label: str,
                 remake: Callable[[Node], LibraryCall] | None = None, source: Node | None = None) -> list[PlanValue]:
+        if call.channels_last and not call.writes_into and self._planning is not None and self.nchw \
+                and self._planning.outputs and self._planning.outputs[0].name in self.nchw:
+            call, again = _nchw(call), None if remake is None else (lambda n: _nchw(remake(n)))
+            return super().library(call, ins, outs, label, again, source)
         if (call.channels_last and not call.writes_into and len(outs) == 1 and outs[0].type.rank in CHANNELS_LAST_RANKS
                 and not (outs[0].type.rank == 5 and self._reduced())):
             return [self.channels_last(call, ins, outs[0], label, remake, source)]
@@ -267,6 +275,12 @@ costs more than the separate normalization pass it saves."""
 
 CHANNELS_LAST_RANKS = (4, 5)
 """Ranks of the convolution results kept channels-last (2-d and 3-d convolutions)."""
+
+
+def _nchw(call: LibraryCall) -> LibraryCall:
+    """``call`` returning its result contiguous NCHW (option ``nchw_convs``)."""
+    fn = call.function
+    return LibraryCall(lambda *tensors: fn(*tensors).contiguous(), False, call.label + ", NCHW", False)
 
 
 def _to_channels_last(rank: int) -> tuple[int, ...]:

@@ -14,19 +14,24 @@ merge sites instead: merge, or not.
   answers given so far (:meth:`FusionSites.site`).  Answers past the end of a vector are
   "merge" (the default); :meth:`FusionSites.key` is the vector of answers actually consulted,
   which determines the graph (measurements are cached by it).
-* :class:`SiteTimer` builds graphs with the cpu backend and times them with
+* :class:`SiteTimer` (defined in :mod:`kiln.tuning.rl.site_env`, shared by every kind)
+  builds graphs with the cpu backend and times them with
   :func:`kiln.runtime.timing.best_time` in interleaved rounds (median over rounds of each
-  round's best time), relative to the default pipeline's graph.
-* :class:`FusionSitesEnv` is the gymnasium environment: an episode walks the sites of one
-  corpus graph; the observation is :data:`SITE_FEATURES` of the current site; actions are
+  round's best time), relative to the default pipeline's graph (:class:`MeasuredReward`).
+* :class:`FusionSitesEnv` is the gymnasium environment (the shared
+  :class:`~kiln.tuning.rl.site_env.DecisionSitesEnv` with :class:`FusionSites` problems):
+  an episode walks the sites of one corpus graph; the observation is :data:`SITE_FEATURES` of the current site; actions are
   ``0`` (do not merge) and ``1`` (merge); :meth:`FusionSitesEnv.action_masks` allows both at a
   site (every site the walk stops at is legal: illegal merges are never offered).  The reward
   is 0 per step and, when the walk ends, ``default_time / time - 1`` (the measured speedup
   over the default pipeline through the cpu backend) or, with ``reward="kernels"``, the
-  relative decrease of :func:`kiln.passes.fusion.kernel_count` (cheap, for tests).
+  relative decrease of :func:`kiln.passes.fusion.kernel_count` (cheap, for tests); with
+  ``reward="arena"`` the relative decrease of the cpu build's planned peak.
 
-Of the four per-site action kinds of the issue (fuse, duplicate a producer, layout per
-conv/matmul, rematerialize a value with a peak-memory term) only *fuse or not* exists.
+This is the *fuse or not* kind of per-site action.  The other kinds (duplicate a producer,
+a layout per conv/matmul, rematerialize a value with a peak-memory term) are
+:mod:`kiln.tuning.rl.site_kinds`, on the shared mechanism of :mod:`kiln.tuning.rl.site_env`
+(the environment, :class:`SiteTimer` and the measured reward are shared).
 
 ::
 
@@ -42,20 +47,18 @@ The search ceiling of these decisions on models outside the corpus is measured b
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-import gymnasium as gym
 import numpy as np
-from gymnasium import spaces
 
 from kiln.ir import Graph, Node
 from kiln.passes.fusion import ANCHORS, fuse_groups, kernel_count, node_class, partition
 from kiln.passes.manager import PassManager
 from kiln.passes.pipeline import DEFAULT_PIPELINE, default_pipeline
-from kiln.runtime.timing import best_time
 from kiln.tuning.rl.corpus import CorpusEntry
+from kiln.tuning.rl.site_env import BuildReward, DecisionSitesEnv, SiteTimer, graph_arguments, median
 
 NODE_CLASSES = ("fused", "opaque", "view", "creation", "matmul", "conv", "reduction", "elementwise")
 """The classes of :func:`kiln.passes.fusion.node_class`, in observation order."""
@@ -109,6 +112,9 @@ class FusionSites:
         graph: a captured graph (the default pipeline has not run on it).
         max_nodes, strategy: the options of ``fuse`` (the default pipeline's defaults).
     """
+
+    kind: ClassVar[str] = "merge"
+    FEATURES: ClassVar[tuple[str, ...]] = SITE_FEATURES
 
     def __init__(self, graph: Graph, *, max_nodes: int = 32, strategy: str = "greedy", name: str | None = None):
         self.name = name or graph.name
@@ -207,9 +213,25 @@ class FusionSites:
             self._default = default_pipeline().run(self.source).graph
         return self._default
 
+    def build(self, decisions: Sequence[bool]) -> tuple[Graph, dict[str, Any]]:
+        """:meth:`graph` and the cpu backend's default options (the shared environment's hook)."""
+        return self.graph(decisions), {}
+
+    def default_build(self) -> tuple[Graph, dict[str, Any]]:
+        return self.default_graph(), {}
+
+    def cheap_reward(self, kind: str, memory_weight: float) -> Callable[[Sequence[bool]], float]:
+        if kind != "kernels":
+            raise ValueError(f"unknown reward {kind!r}; choose measured, arena, kernels or a callable")
+        return kernel_reward(self)
+
+    def site_label(self, site: Site) -> tuple[str, str]:
+        return (site.producer.outputs[0].name if site.producer.outputs else "",
+                site.consumer.outputs[0].name if site.consumer.outputs else "")
+
     # ------------------------------------------------------------------ features
-    def features(self, site: Site) -> np.ndarray:
-        """:data:`SITE_FEATURES` of ``site``."""
+    def features(self, site: Site, decisions: Sequence[bool] = ()) -> np.ndarray:
+        """:data:`SITE_FEATURES` of ``site`` (``decisions``: unused, the walk's state is in ``site``)."""
         out = np.zeros(len(SITE_FEATURES), dtype=np.float32)
         k = len(NODE_CLASSES)
         out[NODE_CLASSES.index(node_class(site.producer))] = 1.0
@@ -237,100 +259,15 @@ class FusionSites:
         return out
 
 
-# ---------------------------------------------------------------------------- measurement
-def graph_arguments(graph: Graph, seed: int = 0) -> list[Any]:
-    """Seeded random inputs then params of ``graph`` as torch tensors
-    (:func:`~kiln.passes.ordering.cost.random_arguments`)."""
-    import torch
-
-    from kiln.passes.ordering.cost import random_arguments
-
-    inputs, params = random_arguments(graph, seed)
-    return [torch.from_numpy(np.ascontiguousarray(a)) for a in inputs + params]
-
-
-class SiteTimer:
-    """Cpu-backend builds of graphs and their interleaved timing.
-
-    ``threads`` is the cpu backend's (and torch's intra-op) thread count; a *sample* of an
-    executable is :func:`best_time` (minimum over ``repeat`` rounds of ``number`` calls,
-    ``number`` chosen so a round lasts about ``round_s``); :meth:`times` takes ``rounds``
-    samples of every executable, interleaved (each round visits all of them in a rotated
-    order), and returns each one's median.
-    """
-
-    def __init__(self, *, threads: int = 1, repeat: int = 3, round_s: float = 2e-3, seed: int = 0):
-        import torch
-
-        self.threads = threads
-        self.repeat = repeat
-        self.round_s = round_s
-        self.seed = seed
-        self.builds = 0
-        torch.set_num_threads(threads)
-        self._args: dict[tuple, list[Any]] = {}
-        self._number: dict[Callable[[], Any], int] = {}
-
-    def build(self, graph: Graph) -> Callable[[], Any]:
-        """``run()`` calling the cpu executable of ``graph`` on seeded random arguments."""
-        import torch
-
-        from kiln.backends import get_backend
-
-        exe = get_backend("cpu").build(graph, {"threads": self.threads})
-        self.builds += 1
-        signature = tuple((v.name, str(v.type)) for v in (*graph.inputs, *graph.params))
-        if signature not in self._args:  # one set of arguments per signature: every candidate gets the same
-            self._args[signature] = graph_arguments(graph, self.seed)
-        args = self._args[signature]
-
-        def run() -> Any:
-            with torch.no_grad():
-                return exe(args)
-
-        return run
-
-    def sample(self, run: Callable[[], Any]) -> float:
-        """One sample of ``run``: seconds per call (``number`` calibrated on its first sample)."""
-        if run not in self._number:
-            once = best_time(run, repeat=1, warmup=2)
-            self._number[run] = max(1, int(self.round_s / max(once, 1e-7)))
-        return best_time(run, repeat=self.repeat, warmup=1, number=self._number[run])
-
-    def times(self, runs: dict[Hashable, Callable[[], Any]], rounds: int = 5) -> dict[Hashable, list[float]]:
-        """``rounds`` interleaved samples (seconds per call) of each of ``runs``."""
-        keys = list(runs)
-        out: dict[Hashable, list[float]] = {k: [] for k in keys}
-        for r in range(rounds):
-            shift = r % len(keys)
-            for k in keys[shift:] + keys[:shift]:
-                out[k].append(self.sample(runs[k]))
-        return out
-
-
-def median(xs: Sequence[float]) -> float:
-    return float(np.median(np.asarray(xs, dtype=float)))
-
-
-class MeasuredReward:
+class MeasuredReward(BuildReward):
     """Measured speedup over the default pipeline of a :class:`FusionSites`' decision vectors,
     cached by :meth:`FusionSites.key`: ``default / time - 1`` from ``rounds`` interleaved
-    samples of the candidate and the default graph's executable."""
+    samples of the candidate and the default graph's executable (:class:`BuildReward` without
+    a memory term)."""
 
     def __init__(self, sites: FusionSites, timer: SiteTimer | None = None, rounds: int = 3):
+        super().__init__(sites, timer, rounds)
         self.sites = sites
-        self.timer = timer or SiteTimer()
-        self.rounds = rounds
-        self.default_run = self.timer.build(sites.default_graph())
-        self.cache: dict[tuple[bool, ...], float] = {}
-
-    def __call__(self, decisions: Sequence[bool]) -> float:
-        key = self.sites.key(decisions)
-        if key not in self.cache:
-            run = self.timer.build(self.sites.graph(key))
-            t = self.timer.times({"default": self.default_run, key: run}, self.rounds)
-            self.cache[key] = median(t["default"]) / median(t[key]) - 1.0
-        return self.cache[key]
 
 
 def kernel_reward(sites: FusionSites) -> Callable[[Sequence[bool]], float]:
@@ -351,121 +288,46 @@ def default_site_corpus() -> list[Graph]:
     return default_corpus()
 
 
-class FusionSitesEnv(gym.Env):
-    """See the module docstring.
+class FusionSitesEnv(DecisionSitesEnv):
+    """See the module docstring (the shared environment of :mod:`kiln.tuning.rl.site_env`).
 
     Args:
         corpus: graphs, :class:`CorpusEntry` objects or :class:`FusionSites` (default:
             :func:`default_site_corpus`); graphs without a merge site are left out.
-        reward: ``"measured"`` (default: cpu backend, :class:`MeasuredReward`) or
-            ``"kernels"`` (:func:`kernel_reward`), or a callable ``(FusionSites) -> (decisions
-            -> float)``.
+        reward: ``"measured"`` (default: cpu backend, :class:`BuildReward` as
+            :class:`MeasuredReward`), ``"arena"`` (the planned peak's relative change, built,
+            not timed), ``"kernels"`` (:func:`kernel_reward`), or a callable
+            ``(FusionSites) -> (decisions -> float)``.
         timer: the :class:`SiteTimer` of measured rewards.
         rounds: interleaved samples per measured reward.
+        memory_weight: weight of the planned peak's relative change in measured rewards (0).
     """
 
-    metadata: ClassVar[dict[str, Any]] = {"render_modes": ["ansi"], "render_fps": 4}
+    problem_type = FusionSites
 
     def __init__(self, corpus: Sequence[Graph | CorpusEntry | FusionSites] | None = None, *,
                  reward: str | Callable[[FusionSites], Callable[[Sequence[bool]], float]] = "measured",
                  timer: SiteTimer | None = None, rounds: int = 3, max_nodes: int = 32,
-                 render_mode: str | None = None):
-        super().__init__()
-        problems = []
-        for e in (corpus if corpus is not None else default_site_corpus()):
-            if isinstance(e, FusionSites):
-                problems.append(e)
-            elif isinstance(e, CorpusEntry):
-                problems.append(FusionSites(e.graph, max_nodes=max_nodes, name=e.name))
-            else:
-                problems.append(FusionSites(e, max_nodes=max_nodes))
-        self.problems = [p for p in problems if p.default_sites > 0]
-        if not self.problems:
-            raise ValueError("no graph of the corpus has a merge site")
-        if reward not in ("measured", "kernels") and not callable(reward):
-            raise ValueError(f"unknown reward {reward!r}; choose measured, kernels or a callable")
-        self.reward_kind = reward
-        self.timer = timer
-        self.rounds = rounds
-        self._rewards: dict[int, Callable[[Sequence[bool]], float]] = {}
-        self.action_space = spaces.Discrete(2)
-        self.observation_space = spaces.Box(0.0, 1.0, shape=(len(SITE_FEATURES),), dtype=np.float32)
-        self.render_mode = render_mode
-        self.index = 0
-        self.decisions: list[bool] = []
-        self.current: Site | None = None
-        self.last_reward = 0.0
+                 memory_weight: float | None = None, render_mode: str | None = None):
+        super().__init__(corpus, reward=reward, timer=timer, rounds=rounds, memory_weight=memory_weight,
+                         render_mode=render_mode, max_nodes=max_nodes)
 
-    def reward_fn(self, index: int) -> Callable[[Sequence[bool]], float]:
-        if index not in self._rewards:
-            problem = self.problems[index]
-            if self.reward_kind == "measured":
-                if self.timer is None:
-                    self.timer = SiteTimer()
-                self._rewards[index] = MeasuredReward(problem, self.timer, self.rounds)
-            elif self.reward_kind == "kernels":
-                self._rewards[index] = kernel_reward(problem)
-            else:
-                self._rewards[index] = self.reward_kind(problem)
-        return self._rewards[index]
-
-    @property
-    def problem(self) -> FusionSites:
-        return self.problems[self.index]
-
-    # ------------------------------------------------------------------ gym API
-    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
-        super().reset(seed=seed)
-        options = options or {}
-        if "index" in options:
-            self.index = int(options["index"]) % len(self.problems)
-        else:
-            self.index = int(self.np_random.integers(len(self.problems)))
-        self.decisions = []
-        self.current = self.problem.site(())
-        self.last_reward = 0.0
-        return self.problem.features(self.current), self._info()
-
-    def step(self, action):
-        if self.current is None:
-            raise RuntimeError("the episode is over: call reset()")
-        self.decisions.append(int(action) == MERGE)
-        self.current = self.problem.site(self.decisions)
-        if self.current is not None:
-            return self.problem.features(self.current), 0.0, False, False, self._info()
-        reward = float(self.reward_fn(self.index)(self.decisions))
-        self.last_reward = reward
-        obs = np.zeros(len(SITE_FEATURES), dtype=np.float32)
-        return obs, reward, True, False, self._info()
-
-    def action_masks(self) -> np.ndarray:
-        """Both actions at a site (the walk stops only at legal merges)."""
-        return np.array([True, self.current is not None], dtype=bool)
-
-    def render(self) -> str | None:
-        if self.render_mode != "ansi":
-            return None
-        merged = sum(self.decisions)
-        return (f"{self.problem.name}: {len(self.decisions)} sites answered, {merged} merged"
-                + ("" if self.current is not None else f", reward {self.last_reward:+.4f}"))
-
-    def _info(self) -> dict[str, Any]:
-        info: dict[str, Any] = {"graph": self.problem.name, "decisions": tuple(self.decisions),
-                                "action_mask": self.action_masks()}
-        if self.current is not None:
-            info["site"] = (self.current.producer.outputs[0].name if self.current.producer.outputs else "",
-                            self.current.consumer.outputs[0].name if self.current.consumer.outputs else "")
-        return info
+    @classmethod
+    def default_corpus(cls) -> list[Graph]:
+        return default_site_corpus()
 
 
 # ---------------------------------------------------------------------------- training
-def train_policy(corpus: Sequence[Graph | CorpusEntry | FusionSites], steps: int, *, reward: Any = "measured",
-                 timer: SiteTimer | None = None, rounds: int = 3, seed: int = 0, n_steps: int = 256) -> Any:
+def train_policy(corpus: Sequence[Any], steps: int, *, reward: Any = "measured", timer: SiteTimer | None = None,
+                 rounds: int = 3, seed: int = 0, n_steps: int = 256, env_type: type | None = None,
+                 **env_options: Any) -> Any:
     """A ``MaskablePPO`` policy (sb3-contrib) trained for ``steps`` environment steps on
-    ``corpus`` with the given reward (default: measured through the cpu backend)."""
+    ``corpus`` with the given reward (default: measured through the cpu backend), in
+    ``env_type`` (default :class:`FusionSitesEnv`; any kind's environment of
+    :mod:`kiln.tuning.rl.site_kinds`, with ``env_options`` such as ``memory_weight``)."""
     from sb3_contrib import MaskablePPO
 
-    env = FusionSitesEnv(corpus, reward=reward, timer=timer, rounds=rounds)
+    env = (env_type or FusionSitesEnv)(corpus, reward=reward, timer=timer, rounds=rounds, **env_options)
     env.reset(seed=seed)
     model = MaskablePPO("MlpPolicy", env, n_steps=n_steps, batch_size=64, seed=seed, verbose=0)
     model.learn(total_timesteps=steps)
@@ -473,17 +335,18 @@ def train_policy(corpus: Sequence[Graph | CorpusEntry | FusionSites], steps: int
     return model
 
 
-def policy_answers(model: Any, sites: FusionSites) -> tuple[bool, ...]:
-    """The decision vector a trained policy gives ``sites`` (deterministic actions)."""
-
-    def policy(site: Site) -> bool:
-        action, _ = model.predict(sites.features(site), action_masks=np.array([True, True]), deterministic=True)
-        return int(action) == MERGE
-
-    return sites.answers(policy)
+def policy_answers(model: Any, sites: Any) -> tuple[bool, ...]:
+    """The decision vector a trained policy gives ``sites`` (a :class:`FusionSites` or a
+    problem of another kind; deterministic actions)."""
+    decisions: list[bool] = []
+    while (site := sites.site(decisions)) is not None:
+        action, _ = model.predict(sites.features(site, decisions), action_masks=np.array([True, True]),
+                                  deterministic=True)
+        decisions.append(int(action) == MERGE)
+    return tuple(decisions)
 
 
 __all__ = [
-    "KEEP", "MERGE", "NODE_CLASSES", "SITE_FEATURES", "FusionSites", "FusionSitesEnv", "MeasuredReward", "Site",
+    "KEEP", "MERGE", "BuildReward", "NODE_CLASSES", "SITE_FEATURES", "FusionSites", "FusionSitesEnv", "MeasuredReward", "Site",
     "SiteTimer", "default_site_corpus", "graph_arguments", "kernel_reward", "median", "policy_answers", "train_policy",
 ]
