@@ -290,3 +290,19 @@ def _entry(graph: ir.Graph):
     from kiln.tuning.rl.corpus import CorpusEntry
 
     return CorpusEntry(graph.name, "random", "train", graph)
+
+
+def test_random_variances_are_positive_inside_fused_bodies_too():
+    """A batch norm folded into a fused convolution (or a training step's running-variance
+    update) reads its variance through a fused body: random arguments must still make it
+    positive, or every timed build computes NaN and no output comparison means anything."""
+    from kiln.passes.fusion import fuse_groups, partition
+
+    net = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.ReLU()).eval()
+    graph = kiln.capture(net, (torch.randn(1, 3, 8, 8),))
+    fused = fuse_groups(graph, partition(graph))
+    assert not any(n.op_name == "batch_norm" for n in fused.nodes)  # only inside a fused body
+    for g in (graph, fused):
+        _, params = random_arguments(g, seed=0)
+        var = [p for v, p in zip(g.params, params) if v.name.endswith("running_var")]
+        assert var and all((p >= 0.5).all() for p in var)

@@ -133,14 +133,14 @@ def random_arguments(graph: Graph, seed: int = 0) -> tuple[list[np.ndarray], lis
     """Seeded random inputs and params matching ``graph``'s signature.
 
     Floats are standard normal (params scaled by 0.1; params feeding a ``batch_norm``
-    variance are uniform in [0.5, 1.5]), integers lie in ``[0, size)`` where ``size`` is the
+    variance, inside ``fused`` bodies too, are uniform in [0.5, 1.5]), integers lie in ``[0, size)`` where ``size`` is the
     smallest dimension of any float param (so they index embeddings safely) and booleans are
     all true.
     """
     rng = np.random.default_rng(seed)
     dims = [d for p in graph.params if p.dtype.is_floating for d in p.shape if isinstance(d, int)]
     high = max(1, min(dims) if dims else 2)
-    variances = {n.inputs[4] for n in graph.nodes if n.op_name == "batch_norm"}
+    variances = _variances(graph)
 
     def make(value, scale: float) -> np.ndarray:
         t = value.type
@@ -153,6 +153,20 @@ def random_arguments(graph: Graph, seed: int = 0) -> tuple[list[np.ndarray], lis
         return np.ones(t.shape, dtype=t.dtype.numpy)
 
     return [make(v, 1.0) for v in graph.inputs], [make(v, 0.1) for v in graph.params]
+
+
+def _variances(graph: Graph) -> set:
+    """The values of ``graph`` a ``batch_norm`` reads as its variance, inside ``fused``
+    bodies too (a folded convolution's norm): random normal values there would be negative."""
+    found = set()
+    for n in graph.nodes:
+        if n.op_name == "batch_norm" and len(n.inputs) > 4:
+            found.add(n.inputs[4])
+        body = n.attrs.get("body") if n.op_name == "fused" else None
+        if body is not None:
+            inner = _variances(body)
+            found |= {outer for outer, v in zip(n.inputs, body.inputs) if v in inner}
+    return found
 
 
 # ---------------------------------------------------------------------------- registry
