@@ -250,44 +250,55 @@ static void kmg_plain(long M, long N, long K, const float *A, long am, long ak, 
     }
 }
 
+/* micro-panel ib of A's rows [ic, ic + mc), K block [pc, pc + kc), into dst (zero rows past M) */
+static inline __attribute__((always_inline)) void kmg_pack_a(const float *A, long am, long ak, long ic, long mc,
+                                                             long ib, long pc, long kc, float *dst) {
+  long rows = mc - ib * KMG_MR < KMG_MR ? mc - ib * KMG_MR : KMG_MR;
+  const float *src = A + (ic + ib * KMG_MR) * am + pc * ak;
+  for (long k = 0; k < kc; k++) {
+    for (long r = 0; r < rows; r++) dst[k * KMG_MR + r] = src[r * am + k * ak];
+    for (long r = rows; r < KMG_MR; r++) dst[k * KMG_MR + r] = 0.0f;
+  }
+}
+
+/* C's tiles of unit u (KMG_STEP panels: a pair of full panels in one tile with AVX-512) and
+   micro-panel ib (packed at ap) of the rows [ic, ic + mc), K block [pc, pc + kc) */
+static inline __attribute__((always_inline)) void kmg_unit(long N, long K, const float *B, float *C, long ldc,
+                                                           long ic, long mc, long ib, long u, long pc, long kc,
+                                                           const float *ap) {
+  long panels = (N + KMG_NR - 1) / KMG_NR;
+  long m0 = ic + ib * KMG_MR, rows = mc - ib * KMG_MR < KMG_MR ? mc - ib * KMG_MR : KMG_MR;
+  long p = u * KMG_STEP;
+#ifdef KMG_PAIRS
+  if (p + 1 < panels && N - (p + 1) * KMG_NR >= KMG_NR) {
+    const float *bp = B + p * K * KMG_NR + pc * KMG_NR;
+    kmg_pair(rows, kc, ap, bp, bp + K * KMG_NR, C + m0 * ldc + p * KMG_NR, ldc, pc > 0);
+    return;
+  }
+#endif
+  for (; p < panels && p < (u + 1) * KMG_STEP; p++) {
+    const float *bp = B + p * K * KMG_NR + pc * KMG_NR;
+    long n0 = p * KMG_NR, w = N - n0 < KMG_NR ? N - n0 : KMG_NR;
+    float *c = C + m0 * ldc + n0;
+    if (w == KMG_NR) kmg_tile(rows, kc, ap, bp, c, ldc, pc > 0);
+    else kmg_edge(kc, ap, bp, c, ldc, pc > 0, rows, w);
+  }
+}
+
 /* rows [m_lo, m_hi) of C = A @ Bp (B in panels), by one thread, with scratch `work` for one
    packed KMG_MC x KMG_KC block of A */
 static void kmg_rows(long m_lo, long m_hi, long N, long K, const float *A, long am, long ak, const float *B,
                      float *C, long ldc, float *work) {
-  long panels = (N + KMG_NR - 1) / KMG_NR;
+  long units = ((N + KMG_NR - 1) / KMG_NR + KMG_STEP - 1) / KMG_STEP;
   for (long ic = m_lo; ic < m_hi; ic += KMG_MC) {
     long mc = m_hi - ic < KMG_MC ? m_hi - ic : KMG_MC;
     long blocks = (mc + KMG_MR - 1) / KMG_MR;
     for (long pc = 0; pc < K; pc += KMG_KC) {
       long kc = K - pc < KMG_KC ? K - pc : KMG_KC;
-      for (long ib = 0; ib < blocks; ib++) {
-        float *dst = work + ib * KMG_MR * kc;
-        long rows = mc - ib * KMG_MR < KMG_MR ? mc - ib * KMG_MR : KMG_MR;
-        const float *src = A + (ic + ib * KMG_MR) * am + pc * ak;
-        for (long k = 0; k < kc; k++) {
-          for (long r = 0; r < rows; r++) dst[k * KMG_MR + r] = src[r * am + k * ak];
-          for (long r = rows; r < KMG_MR; r++) dst[k * KMG_MR + r] = 0.0f;
-        }
-      }
-      for (long p = 0; p < panels;) {
-        const float *bp = B + p * K * KMG_NR + pc * KMG_NR;
-        long n0 = p * KMG_NR, w = N - n0 < KMG_NR ? N - n0 : KMG_NR;
-        int pair = 0;
-#ifdef KMG_PAIRS
-        pair = p + 1 < panels && N - (p + 1) * KMG_NR >= KMG_NR;
-#endif
-        for (long ib = 0; ib < blocks; ib++) {
-          const float *ap = work + ib * KMG_MR * kc;
-          long m0 = ic + ib * KMG_MR, rows = mc - ib * KMG_MR < KMG_MR ? mc - ib * KMG_MR : KMG_MR;
-          float *c = C + m0 * ldc + n0;
-#ifdef KMG_PAIRS
-          if (pair) { kmg_pair(rows, kc, ap, bp, bp + K * KMG_NR, c, ldc, pc > 0); continue; }
-#endif
-          if (w == KMG_NR) kmg_tile(rows, kc, ap, bp, c, ldc, pc > 0);
-          else kmg_edge(kc, ap, bp, c, ldc, pc > 0, rows, w);
-        }
-        p += pair ? 2 : 1;
-      }
+      for (long ib = 0; ib < blocks; ib++) kmg_pack_a(A, am, ak, ic, mc, ib, pc, kc, work + ib * KMG_MR * kc);
+      for (long u = 0; u < units; u++)
+        for (long ib = 0; ib < blocks; ib++)
+          kmg_unit(N, K, B, C, ldc, ic, mc, ib, u, pc, kc, work + ib * KMG_MR * kc);
     }
   }
 }
@@ -353,39 +364,12 @@ int kiln_mgemm_f32(long M, long N, long K, const float *A, long am, long ak, con
         long mc = M - ic < KMG_MC ? M - ic : KMG_MC;
         long blocks = (mc + KMG_MR - 1) / KMG_MR;
         #pragma omp for schedule(static)
-        for (long ib = 0; ib < blocks; ib++) {
-          float *dst = work + ib * KMG_MR * kc;
-          long rows = mc - ib * KMG_MR < KMG_MR ? mc - ib * KMG_MR : KMG_MR;
-          const float *src = A + (ic + ib * KMG_MR) * am + pc * ak;
-          for (long k = 0; k < kc; k++) {
-            for (long r = 0; r < rows; r++) dst[k * KMG_MR + r] = src[r * am + k * ak];
-            for (long r = rows; r < KMG_MR; r++) dst[k * KMG_MR + r] = 0.0f;
-          }
-        }
-        /* units of KMG_STEP panels (two adjacent full panels in one tile with AVX-512) */
+        for (long ib = 0; ib < blocks; ib++) kmg_pack_a(A, am, ak, ic, mc, ib, pc, kc, work + ib * KMG_MR * kc);
         long units = (panels + KMG_STEP - 1) / KMG_STEP;
         #pragma omp for collapse(2) schedule(static)
-        for (long u = 0; u < units; u++) {
-          for (long ib = 0; ib < blocks; ib++) {
-            const float *ap = work + ib * KMG_MR * kc;
-            long m0 = ic + ib * KMG_MR, rows = mc - ib * KMG_MR < KMG_MR ? mc - ib * KMG_MR : KMG_MR;
-            long p = u * KMG_STEP;
-#ifdef KMG_PAIRS
-            if (p + 1 < panels && N - (p + 1) * KMG_NR >= KMG_NR) {
-              const float *bp = B + p * K * KMG_NR + pc * KMG_NR;
-              kmg_pair(rows, kc, ap, bp, bp + K * KMG_NR, C + m0 * ldc + p * KMG_NR, ldc, pc > 0);
-              continue;
-            }
-#endif
-            for (; p < panels && p < (u + 1) * KMG_STEP; p++) {
-              const float *bp = B + p * K * KMG_NR + pc * KMG_NR;
-              long n0 = p * KMG_NR, w = N - n0 < KMG_NR ? N - n0 : KMG_NR;
-              float *c = C + m0 * ldc + n0;
-              if (w == KMG_NR) kmg_tile(rows, kc, ap, bp, c, ldc, pc > 0);
-              else kmg_edge(kc, ap, bp, c, ldc, pc > 0, rows, w);
-            }
-          }
-        }
+        for (long u = 0; u < units; u++)
+          for (long ib = 0; ib < blocks; ib++)
+            kmg_unit(N, K, B, C, ldc, ic, mc, ib, u, pc, kc, work + ib * KMG_MR * kc);
       }
     }
   }
