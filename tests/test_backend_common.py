@@ -300,3 +300,40 @@ def test_a_backend_object_takes_its_own_option_defaults(name):
         assert backend_type.option_defaults[key] is default  # the class keeps its own
     with pytest.raises(BackendError, match=rf"kiln backend '{name}' has no option\(s\) bogus"):
         backend_type(bogus=1)
+
+
+class _PooledHead(torch.nn.Module):
+    """conv -> global pool -> flatten -> linear: the flatten is a view of the pool's buffer,
+    which must outlive the GEMM reading it."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(32, 64, 1, bias=False)
+        self.fc = torch.nn.Linear(64, 10)
+
+    def forward(self, x):
+        return self.fc(torch.flatten(torch.nn.functional.adaptive_avg_pool2d(self.conv(x), 1), 1))
+
+
+@pytest.mark.parametrize("native", ["0", "1"])
+def test_a_graph_compiled_inside_inference_mode_plans_its_views_as_views(monkeypatch, native):
+    """Inside ``torch.inference_mode`` torch records no view relations: a plan made there
+    used to take every view for a copy, free the viewed buffer at the view and hand its
+    memory to the GEMM's result, which then overwrote its own input."""
+    import kiln
+    from kiln.backends.common.partition import Partitioner
+    from kiln.backends.cpu.standalone import ENV_VAR
+
+    monkeypatch.setenv(ENV_VAR, native)
+    torch.manual_seed(0)
+    model = _PooledHead().eval()
+    x = torch.randn(1, 32, 7, 7)
+    plans = []
+    original = Partitioner.run
+    monkeypatch.setattr(Partitioner, "run", lambda self, choose: plans.append(original(self, choose)) or plans[-1])
+    with torch.inference_mode():
+        compiled = kiln.compile(model, (x,), backend="cpu", cache=False)
+        got, want = compiled(x), model(x)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    flatten = [pv for plan in plans for pv in plan.values if pv.name == "2"]
+    assert flatten and all(pv.origin == "view" for pv in flatten)

@@ -410,7 +410,15 @@ class Partitioner:
         self.ops = ops
 
     def run(self, choose: Callable[[Node], Choice]) -> GraphPlan:
-        """The operations that run the graph; ``choose`` picks each node's implementation."""
+        """The operations that run the graph; ``choose`` picks each node's implementation.
+
+        It plans outside inference mode even when called inside it: there torch records no
+        view relations, so every view of a ``meta`` tensor would look like a copy, and a
+        buffer read through a view could be freed and reused too early."""
+        with torch.inference_mode(False):
+            return self._run(choose)
+
+    def _run(self, choose: Callable[[Node], Choice]) -> GraphPlan:
         graph = self.graph
         for node in graph.nodes:
             if not self.backend.supports(node):
