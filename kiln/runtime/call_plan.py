@@ -7,7 +7,8 @@ parameters); the others are filled by steps:
 * :class:`NativeRunStep` -- consecutive native kernels of one loaded artifact, launched by
   its :class:`KernelLauncher` (on the host, :class:`HostLauncher`: one ctypes call that runs
   a table of ``void f(void *const *ptrs)`` functions on the raw data pointers of their
-  slots' tensors);
+  slots' tensors; a :class:`ForeignKernel`, a function of another shared object, joins the
+  table when the artifact is loaded);
 * :class:`TorchStep` -- a Python callable on tensors (a library call such as
   ``torch.matmul(a, b, out=c)``), either writing into preallocated outputs or returning
   new tensors;
@@ -18,7 +19,11 @@ parameters); the others are filled by steps:
   contiguous tensors);
 * :class:`PackStep` -- keeps a persistent prepared copy of a weight view up to date (the
   backend supplies how to write it: a plain copy, or its GEMM's packed layout);
+* :class:`PrepareStep` -- keeps persistent tensors written from several parameters up to
+  date (a convolution's packed weight with a batch norm folded into it, and its bias);
 * :class:`ReleaseStep` -- drops tensors after their last use.
+
+The step types live in :mod:`.steps` (re-exported here).
 
 The plan knows its device through its :class:`Allocator`: the arena, the persistent
 buffers and the fresh outputs are all allocated by it (``HOST``, :class:`TorchDeviceAllocator`
@@ -46,7 +51,6 @@ cannot go unnoticed.
 
 from __future__ import annotations
 
-import ctypes
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -54,15 +58,9 @@ from typing import Any, Protocol
 
 import torch
 
+from .steps import (BoundCall, ContiguousStep, ForeignKernel, HostLauncher, KernelCall, KernelLauncher, NativeRunStep,
+                    PackStep, PrepareStep, ReleaseStep, Slots, Step, TorchStep, ViewStep, split_arguments)
 from .timing import best_time
-
-Slots = list[Any]
-BoundCall = Callable[[Slots], None]
-KernelCall = tuple[int, tuple[int, ...], tuple[int, ...]]
-"""One kernel launch: (index in the artifact's kernel table, slots of its pointer arguments,
-byte offsets added to them; ``()`` for none -- a kernel reads a view as its root's pointer
-plus the view's offset)."""
-
 
 # ------------------------------------------------------------------------------ device
 class Allocator(Protocol):
@@ -93,77 +91,6 @@ HOST = TorchDeviceAllocator("cpu")
 """The host allocator (host backends' plans)."""
 
 
-class KernelLauncher(Protocol):
-    """How the native kernels of one loaded artifact are launched.
-
-    :meth:`bind` prepares, for one workspace, a call that launches ``kernels`` in order
-    (everything static -- pointers of slots in ``static``, whose tensors sit in
-    ``template`` -- precomputed), so a call costs one launch plus the pointers of the
-    dynamic slots.
-    """
-
-    def bind(self, kernels: Sequence[KernelCall], static: set[int], template: Slots) -> BoundCall: ...
-
-
-def split_arguments(slots: Sequence[int], offsets: Sequence[int] | None, static: set[int], template: Slots,
-                    bind: Callable[[torch.Tensor, int], Any]) -> tuple[list[Any], list[tuple[int, int, int]]]:
-    """One kernel's arguments for :meth:`KernelLauncher.bind`: ``bind(tensor, offset)`` for
-    each slot in ``static`` (its tensor from ``template``) and ``None`` where a dynamic slot
-    goes, with the ``(position, slot, offset)`` of each dynamic one."""
-    fixed: list[Any] = []
-    dynamic: list[tuple[int, int, int]] = []
-    for position, (slot, offset) in enumerate(zip(slots, offsets or (0,) * len(slots))):
-        if slot in static:
-            fixed.append(bind(template[slot], offset))
-        else:
-            fixed.append(None)
-            dynamic.append((position, slot, offset))
-    return fixed, dynamic
-
-
-class HostLauncher:
-    """Host kernels of one shared object, through its table runner
-    ``runner(calls, n, ptrs)`` (a ctypes function of ``(const long *, long, void *const *)``),
-    which runs kernel ``table[calls[2i]]`` -- a ``void f(void *const *ptrs)`` -- on
-    ``ptrs + calls[2i+1]`` for ``i < n``.  ``ptrs`` concatenates every kernel's pointers, so
-    a run of kernels costs one foreign call (which releases the GIL)."""
-
-    def __init__(self, runner: Any):
-        self.runner = runner
-
-    def bind(self, kernels: Sequence[KernelCall], static: set[int], template: Slots) -> BoundCall:
-        total = sum(len(slots) for _, slots, _ in kernels)
-        ptrs = (ctypes.c_void_p * max(total, 1))()
-        calls = (ctypes.c_long * max(2 * len(kernels), 1))()
-        dynamic = []
-        pos = 0
-        for i, (index, slots, offsets) in enumerate(kernels):
-            calls[2 * i], calls[2 * i + 1] = index, pos
-            for slot, offset in zip(slots, offsets or (0,) * len(slots)):
-                if slot in static:
-                    ptrs[pos] = template[slot].data_ptr() + offset
-                else:
-                    dynamic.append((pos, slot, offset))
-                pos += 1
-        # Plain addresses: ctypes converts ints faster than array objects.
-        runner = _RUNNER_PROTOTYPE(ctypes.cast(self.runner, ctypes.c_void_p).value)
-        n, calls_at, ptrs_at = len(kernels), ctypes.addressof(calls), ctypes.addressof(ptrs)
-        keep = (calls, ptrs)  # the arrays live as long as the bound call
-
-        if not dynamic:
-            return lambda slots, _keep=keep: runner(calls_at, n, ptrs_at)
-
-        def call(slots: Slots, _keep=keep) -> None:
-            for p, slot, off in dynamic:
-                ptrs[p] = slots[slot].data_ptr() + off
-            runner(calls_at, n, ptrs_at)
-        return call
-
-
-_RUNNER_PROTOTYPE = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p)
-
-
-# ------------------------------------------------------------------------------ steps
 @dataclass(frozen=True)
 class SlotSpec:
     """A planned slot: an arena view (``offset`` in bytes) of ``shape``/``dtype``, a fresh
@@ -175,153 +102,6 @@ class SlotSpec:
     dtype: torch.dtype
     offset: int | None = None
     persistent: bool = False
-
-
-@dataclass(frozen=True)
-class NativeRunStep:
-    """Consecutive native kernels launched by ``launcher`` as one call (see
-    :class:`KernelLauncher`; on the host, :class:`HostLauncher`)."""
-
-    launcher: KernelLauncher
-    kernels: tuple[KernelCall, ...]
-    label: str = ""
-
-    def bind(self, static: set[int], template: Slots) -> BoundCall:
-        return self.launcher.bind(self.kernels, static, template)
-
-
-@dataclass(frozen=True)
-class TorchStep:
-    """``function(*inputs, *outputs)`` when ``writes_into`` (outputs are preallocated slots),
-    else ``outputs = function(*inputs)`` (one tensor, or a tuple for several outputs)."""
-
-    function: Callable[..., Any]
-    inputs: tuple[int, ...]
-    outputs: tuple[int, ...]
-    writes_into: bool = True
-    label: str = ""
-
-    def bind(self, static: set[int], template: Slots) -> BoundCall:
-        fn, ins, outs = self.function, self.inputs, self.outputs
-        if self.writes_into:
-            args = ins + outs
-            return lambda slots: fn(*[slots[i] for i in args])
-        if len(outs) == 1:
-            out0 = outs[0]
-
-            def call_one(slots: Slots) -> None:
-                slots[out0] = fn(*[slots[i] for i in ins])
-            return call_one
-
-        def call(slots: Slots) -> None:
-            results = fn(*[slots[i] for i in ins])
-            for slot, value in zip(outs, results):
-                slots[slot] = value
-        return call
-
-
-@dataclass(frozen=True)
-class ViewStep:
-    """``output = function(input)`` for a zero-copy view function."""
-
-    function: Callable[[torch.Tensor], torch.Tensor]
-    input: int
-    output: int
-    label: str = ""
-
-    def bind(self, static: set[int], template: Slots) -> BoundCall | None:
-        if self.input in static:
-            source = template[self.input]
-            view = self.function(source)
-            if _shares_storage(view, source):
-                template[self.output] = view
-                static.add(self.output)
-                return None
-        fn, i, o = self.function, self.input, self.output
-
-        def call(slots: Slots) -> None:
-            slots[o] = fn(slots[i])
-        return call
-
-
-@dataclass(frozen=True)
-class ContiguousStep:
-    """Replace the tensors in ``slots`` by contiguous ones (themselves when they already are)."""
-
-    slots: tuple[int, ...]
-
-    def bind(self, static: set[int], template: Slots) -> BoundCall | None:
-        dynamic = tuple(s for s in self.slots if s not in static or not template[s].is_contiguous())
-        if not dynamic:
-            return None
-        if len(dynamic) == 1:
-            s0 = dynamic[0]
-
-            def call_one(slots: Slots) -> None:
-                slots[s0] = slots[s0].contiguous()
-            return call_one
-
-        def call(slots: Slots) -> None:
-            for s in dynamic:
-                slots[s] = slots[s].contiguous()
-        return call
-
-
-@dataclass(frozen=True)
-class PackStep:
-    """Keep ``target`` (a persistent tensor of the workspace) equal to ``write(view, target)``
-    of the view ``view = (shape, strides, offset)`` of the tensor in ``source``: it is
-    written again only when that tensor's storage or version counter changed since the
-    last call, so a weight prepared for a GEMM follows in-place updates of the parameter.
-    ``write`` is the backend's (a plain copy, or the layout of its own GEMM)."""
-
-    source: int
-    view: tuple[tuple[int, ...], tuple[int, ...], int]
-    target: int
-    write: Callable[[torch.Tensor, torch.Tensor], None]
-    label: str = ""
-
-    def bind(self, static: set[int], template: Slots) -> BoundCall:
-        target = template[self.target]
-        shape, strides, offset = self.view
-        source, write = self.source, self.write
-        last: list[object] = [None, None]  # the key, and the tensor (a freed one's address is soon reused)
-
-        def call(slots: Slots) -> None:
-            w = slots[source]
-            try:
-                key: object = (w.data_ptr(), w._version)
-            except RuntimeError:  # inference tensors have no version counter: always copy
-                key = None
-            if key is None or key != last[0]:
-                write(torch.as_strided(w, shape, strides, w.storage_offset() + offset), target)
-                last[0], last[1] = key, w
-        return call
-
-
-@dataclass(frozen=True)
-class ReleaseStep:
-    """Drop the tensors in ``slots`` (library results after their last use), so their memory
-    is freed during the call rather than at its end."""
-
-    slots: tuple[int, ...]
-
-    def bind(self, static: set[int], template: Slots) -> BoundCall | None:
-        dynamic = tuple(s for s in self.slots if s not in static)
-        if not dynamic:
-            return None
-
-        def call(slots: Slots) -> None:
-            for s in dynamic:
-                slots[s] = None
-        return call
-
-
-Step = NativeRunStep | TorchStep | ViewStep | ContiguousStep | PackStep | ReleaseStep
-
-
-def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
 # ------------------------------------------------------------------------------ the plan
@@ -587,7 +367,6 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
-__all__ = ["HOST", "Allocator", "CallPlan", "ContiguousStep", "DynamicCallPlan", "HostLauncher", "KernelCall", "KernelLauncher",
-           "split_arguments",
-           "NativeRunStep", "PackStep", "ReleaseStep", "SlotSpec", "Step", "TorchDeviceAllocator", "TorchStep",
-           "ViewStep", "Workspace"]
+__all__ = ["HOST", "Allocator", "BoundCall", "CallPlan", "ContiguousStep", "DynamicCallPlan", "ForeignKernel",
+           "HostLauncher", "KernelCall", "KernelLauncher", "NativeRunStep", "PackStep", "PrepareStep", "ReleaseStep",
+           "SlotSpec", "Slots", "Step", "TorchDeviceAllocator", "TorchStep", "ViewStep", "Workspace", "split_arguments"]

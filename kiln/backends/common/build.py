@@ -56,6 +56,7 @@ from kiln.runtime.call_plan import (
     KernelCall,
     KernelLauncher,
     NativeRunStep,
+    PrepareStep,
     ReleaseStep,
     SlotSpec,
     Step,
@@ -78,7 +79,8 @@ PROFILE_ENV_VAR = "KILN_PROFILE_KERNELS"
 class CompiledExecutable:
     """A graph built by a compiled backend; call it with the graph's inputs then params.
 
-    ``info`` holds: ``kernels`` (generated kernels), ``library_calls``, ``fallbacks`` (nodes
+    ``info`` holds: ``kernels`` (generated kernels), ``library_calls``, ``foreign_kernels``
+    (native functions outside the unit, launched with its kernels), ``fallbacks`` (nodes
     whose kernel could not be generated, and why), ``choices`` (node -> implementation),
     ``memory`` (the plan's report line), ``arena_bytes``, ``intermediate_bytes``,
     ``cache_hit``, ``cache_key``, ``source`` (path of the source file), ``build_s``,
@@ -367,6 +369,14 @@ class BuildPipeline:
                 flush()
                 steps.append(self.kernel_fallback(op))
                 continue
+            if op.step == "foreign":
+                args = [*op.inputs, *op.outputs]
+                run.append((op.foreign, tuple(pv.root().slot for pv in args) + extra,
+                            tuple(pv.byte_offset for pv in args) + (0,) * len(extra)))
+                labels.append(op.label)
+                if separate:
+                    flush()
+                continue
             flush()
             ins = tuple(pv.slot for pv in op.inputs)
             outs = tuple(pv.slot for pv in op.outputs)
@@ -384,7 +394,10 @@ class BuildPipeline:
                 else:
                     steps.append(ContiguousStep(ins))
             elif op.step == "pack":
-                steps.append(self.pack_step(op))
+                step = self.pack_step(op)
+                if isinstance(step, PrepareStep) and steps and isinstance(steps[-1], PrepareStep):
+                    step = PrepareStep(steps.pop().parts + step.parts)
+                steps.append(step)
             elif op.step == "clone":
                 steps.append(TorchStep(torch.clone, ins, outs, False, op.label))
             elif op.step == "release":
@@ -505,6 +518,7 @@ def _info(plan: GraphPlan, memory: MemoryPlan, symbols: list[str | None], fallba
     return {
         "kernels": sum(s is not None for s in symbols),
         "library_calls": sum(op.step == "library" for op in plan.ops),
+        "foreign_kernels": sum(op.step == "foreign" for op in plan.ops),
         "fallbacks": dict(fallbacks),
         "choices": dict(plan.choices),
         "memory": memory.report(),

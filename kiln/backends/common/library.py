@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -30,6 +31,9 @@ class LibraryCall:
     label: str
     channels_last: bool = False
     """The (4-d or 5-d) result comes back in channels-last memory order."""
+    native: Any = None
+    """The backend's native form of the call, when it has one (the cpu backend plans kiln's
+    convolutions as foreign kernels of its native runs, :mod:`kiln.backends.cpu.conv_plan`)."""
 
 
 ViewFunction = Callable[[torch.Tensor], torch.Tensor]

@@ -13,8 +13,12 @@ operations (:class:`PlanOp`):
 * ``copy``    -- a strided value copied into a contiguous buffer before a loop kernel reads it;
 * ``contiguous`` -- an argument or a library result made contiguous (a no-op when it is)
   before kernels read it or views of it;
-* ``pack``    -- a prepared copy of a weight that a GEMM reads (made by a backend's GEMM
-  hook), kept per workspace and refreshed only when the weight changes;
+* ``foreign`` -- a native function outside the generated unit (``PlanOp.foreign``: the cpu
+  backend's convolution entry) on the raw pointers of ``inputs`` then ``outputs``, launched
+  with the kernels around it in one native call;
+* ``pack``    -- a prepared copy of a weight that a GEMM or a foreign kernel reads (made by a
+  backend's hook), kept per workspace and refreshed only when the weight changes; packs
+  read parameters only, so they run first, before every kernel;
 * ``clone``   -- a graph output that would alias a build-time constant is copied;
 * ``release`` -- tensors returned by library calls are dropped after their last use.
 
@@ -118,6 +122,9 @@ class PlanOp:
     symbolic graph, :mod:`.dynamic`)."""
     remake: Callable[[Node], LibraryCall] | None = None
     """How the library call is made from a node (its node at concrete sizes)."""
+    foreign: Any = None
+    """For a ``foreign`` operation: the native function it launches
+    (:class:`kiln.runtime.call_plan.ForeignKernel`)."""
 
     @property
     def args(self) -> list[PlanValue]:
@@ -327,8 +334,8 @@ class Partitioner:
         copies: dict[int, PlanValue] = {}
         roots_read: set[int] = set()
         for op in self.ops:
-            if op.step == "pack":  # reads its weight through the root's predicted layout
-                roots_read.add(op.inputs[0].root().slot)
+            if op.step in ("pack", "foreign"):  # read through the roots' predicted layouts
+                roots_read.update(pv.root().slot for pv in op.inputs)
             if op.step == "kernel":
                 absorb_views(op)
                 fixed = []
@@ -361,6 +368,19 @@ class Partitioner:
                     if pv.origin == "returned" and pv.slot in roots_read:
                         self.ops.append(PlanOp("contiguous", [pv], [pv], f"contiguous %{pv.name}"))
 
+    def hoist_packs(self) -> None:
+        """Move every ``pack`` to the front, after the arguments are made contiguous: packs
+        read only parameters, which no operation writes, and kernels between two packs then
+        share one native call."""
+        packs = [op for op in self.ops if op.step == "pack"]
+        if not packs:
+            return
+        rest = [op for op in self.ops if op.step != "pack"]
+        lead = 0
+        while lead < len(rest) and rest[lead].step == "contiguous" and rest[lead].inputs[0].origin == "arg":
+            lead += 1
+        self.ops = rest[:lead] + packs + rest[lead:]
+
     def outputs(self) -> list[PlanValue]:
         outs: list[PlanValue] = []
         for v in self.graph.outputs:
@@ -380,7 +400,7 @@ class Partitioner:
         weight packing, which reads through the root) needs."""
         needed = {pv.slot for pv in outputs}
         for op in self.ops:
-            if op.step not in ("kernel", "view", "pack"):
+            if op.step not in ("kernel", "view", "pack", "foreign"):
                 needed.update(pv.slot for pv in op.inputs)
         for op in reversed(self.ops):
             if op.step == "view" and (op.outputs[0].slot in needed or op.outputs[0].origin == "returned"):
@@ -438,6 +458,7 @@ class Partitioner:
             self.node(node, choice)
         self.layouts()
         self.contiguous_inputs()
+        self.hoist_packs()
         outputs = self.outputs()
         self.prune_views(outputs)
         self.releases(outputs)

@@ -60,11 +60,12 @@ from kiln.runtime.cache import CompileCache
 from kiln.runtime.call_plan import HostLauncher, Step, TorchStep
 
 from . import microgemm, toolchain
-from .codegen import KernelSource, kernel_function, sanitize_program, translation_unit
+from .codegen import FOREIGN_ROWS, KernelSource, kernel_function, sanitize_program, translation_unit
 from .gemm import KILN_PROVIDER, PROVIDERS, GemmTuner, blas_providers, set_blas_threads
 from .library import SELECTION, reference_call
 from .packing import pack_step
 from .partition import CpuPartitioner
+from .standalone import runner_library
 
 
 GEMM_BUCKETS = (8, 32, 128, 512)
@@ -196,9 +197,12 @@ class CpuBuild(BuildPipeline):
         providers = _providers(plan)
         if any(p.startswith("openblas") for p in providers):
             set_blas_threads(self.threads)
-        if path is None:
+        foreign = {op.foreign.address: op.foreign for op in plan.ops if op.step == "foreign"}
+        if path is None and not foreign:
             return None, None
-        lib = ctypes.CDLL(str(path))
+        lib = ctypes.CDLL(str(path)) if path is not None else runner_library()
+        if lib is None:
+            raise BackendError("kiln's convolution kernels need the kernel-table runner, which did not build")
         if providers:
             for index, name in enumerate(PROVIDERS):
                 provider = blas_providers().get(name)
@@ -209,7 +213,11 @@ class CpuBuild(BuildPipeline):
                 lib.kiln_set_mgemm(ctypes.c_void_p(self.tuner.micro.address))
         lib.kiln_run.argtypes = [ctypes.POINTER(ctypes.c_long), ctypes.c_long, ctypes.POINTER(ctypes.c_void_p)]
         lib.kiln_run.restype = None
-        return lib, HostLauncher(lib.kiln_run)
+        lib.kiln_add_kernel.argtypes, lib.kiln_add_kernel.restype = [ctypes.c_void_p], ctypes.c_long
+        rows = {address: lib.kiln_add_kernel(ctypes.c_void_p(address)) for address in foreign}
+        if any(row < 0 for row in rows.values()):
+            raise BackendError(f"kiln bug: more than {FOREIGN_ROWS} distinct foreign kernels in one plan")
+        return lib, HostLauncher(lib.kiln_run, rows)
 
     def kernel_fallback(self, op: PlanOp) -> Step:
         return kernel_fallback(op)

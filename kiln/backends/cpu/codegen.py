@@ -559,16 +559,31 @@ def translation_unit(kernels: Sequence[KernelSource], declarations: str = "") ->
 
 def table_runner(symbols: Sequence[str]) -> str:
     """``kiln_run(calls, n, ptrs)``: run ``n`` kernels of the table ``symbols`` in one foreign
-    call (every unit of a backend launched by :class:`kiln.runtime.call_plan.HostLauncher`)."""
+    call (:class:`kiln.runtime.call_plan.HostLauncher`); ``kiln_add_kernel(f)`` puts a foreign
+    kernel in one of :data:`FOREIGN_ROWS` more rows (once) and returns its row (``-1``: full)."""
     table = ", ".join(symbols) or "0"
+    count = max(len(symbols), 1)
     return ("typedef void (*kiln_kernel_fn)(void *const *);\n"
-            f"static const kiln_kernel_fn kiln_table[] = {{{table}}};\n"
+            f"static kiln_kernel_fn kiln_table[{count + FOREIGN_ROWS}] = {{{table}}};\n"
+            f"static long kiln_table_rows = {count};\n"
+            "long kiln_add_kernel(void *f) {\n"
+            f"  for (long i = {count}; i < kiln_table_rows; i++) if ((void *)kiln_table[i] == f) return i;\n"
+            f"  if (kiln_table_rows == {count + FOREIGN_ROWS}) return -1;\n"
+            "  kiln_table[kiln_table_rows] = (kiln_kernel_fn)f;\n"
+            "  return kiln_table_rows++;\n"
+            "}\n"
             "void kiln_run(const long *calls, long n, void *const *ptrs) {\n"
             "  for (long i = 0; i < n; i++) kiln_table[calls[2 * i]](ptrs + calls[2 * i + 1]);\n"
             "}\n")
 
 
+FOREIGN_ROWS = 16
+"""Rows of a unit's kernel table for foreign kernels (distinct functions: every kiln
+convolution is one, ``kiln_conv_k``)."""
+
+
 __all__ = [
+    "FOREIGN_ROWS",
     "PARALLEL_REDUCTION_WORK",
     "KernelPrinter",
     "KernelSource",

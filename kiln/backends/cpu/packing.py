@@ -7,7 +7,10 @@ weight that a GEMM kernel reads as its B operand; :func:`pack_step` binds it:
 * for kiln's own GEMM (:mod:`.microgemm`) the copy is ``K x N`` in 16-column panels,
   ``(ceil(N/16), K, 16)`` zero-padded (:func:`write_panels`);
 * for the BLAS providers it is a contiguous copy of the transposed weight, which they read
-  untransposed (:func:`copy_into`).
+  untransposed (:func:`copy_into`);
+* a ``pack`` with a call (kiln's convolutions run as foreign kernels, :mod:`.conv_plan`)
+  writes its outputs from all its inputs -- the weight packed with a batch norm folded into
+  it, and the bias -- as a :class:`kiln.runtime.call_plan.PrepareStep`.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from kiln.backends.common.partition import PlanOp
-from kiln.runtime.call_plan import PackStep
+from kiln.runtime.call_plan import PackStep, PrepareStep
 
 
 def write_panels(b: torch.Tensor, out: torch.Tensor) -> None:
@@ -36,9 +39,13 @@ def copy_into(src: torch.Tensor, dst: torch.Tensor) -> None:
     dst.copy_(src)
 
 
-def pack_step(op: PlanOp) -> PackStep:
-    """The runtime step of the ``pack`` operation ``op``: panels when its output's shape is
-    the panel shape, else a plain copy of the weight view it reads."""
+def pack_step(op: PlanOp) -> PackStep | PrepareStep:
+    """The runtime step of the ``pack`` operation ``op``: its call's writes when it has one
+    (see the module docstring), panels when its output's shape is the panel shape, else a
+    plain copy of the weight view it reads."""
+    if op.call is not None:
+        sources = tuple(pv.slot for pv in op.inputs)
+        return PrepareStep(((sources, tuple(pv.slot for pv in op.outputs), op.call.function, op.label),))
     source, target = op.inputs[0], op.outputs[0]
     view = (tuple(source.meta.shape), tuple(source.meta.stride()), source.meta.storage_offset())
     panels = target.type.shape != source.type.shape

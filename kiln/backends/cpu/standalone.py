@@ -56,6 +56,16 @@ def load_library(source: str) -> ctypes.CDLL | None:
         return None
 
 
+@functools.lru_cache(maxsize=1)
+def runner_library() -> ctypes.CDLL | None:
+    """A shared object holding only a kernel-table runner (``kiln_run``, ``kiln_add_kernel``
+    of :func:`~.codegen.table_runner`, no kernels of its own): it launches the foreign
+    kernels of a plan that has no generated kernel."""
+    from .codegen import table_runner  # noqa: PLC0415
+
+    return load_library(table_runner([]))
+
+
 def threads() -> int:
     """Threads a kernel call uses: torch's (the OpenMP pool kiln's kernels share)."""
     return max(1, torch.get_num_threads())
@@ -115,4 +125,4 @@ def pointer(t: torch.Tensor | None) -> ctypes.c_void_p:
     return ctypes.c_void_p(t.data_ptr() if t is not None else 0)
 
 
-__all__ = ["CHOICES", "ENV_VAR", "KernelChooser", "load_library", "pointer", "threads"]
+__all__ = ["CHOICES", "ENV_VAR", "KernelChooser", "load_library", "pointer", "runner_library", "threads"]
