@@ -17,13 +17,16 @@ through convolution chains (:mod:`.partition`); their C is :mod:`.conv_source`:
   with AVX-512) -- reads the input windows directly (per-block tables of the
   ``k -> (c, kh, kw)`` offsets; zeros where padding is read), so there is no im2col copy.  The
   register micro-kernels (6x16; 12x32 over pairs of panels with AVX-512) are
-  :mod:`.microgemm`'s (its C source is included); the bias is added to each tile right
-  after its last store, while the tile is in cache.
-* **Depthwise convolution** (``groups = C_in = C_out``; ``kiln_conv_dw_f32``): a direct loop
-  on channels-last input, 4 output pixels x 16 channels in registers (eight 8-wide
-  accumulators), the taps walked with the weight reordered once to ``[KH][KW][C]`` so that
-  every load is contiguous along the channels; the bias is the accumulators' start value.
-  Threads split the (image, output row) grid.
+  :mod:`.microgemm`'s (its C source is included); the epilogue (below) runs on each tile
+  right after its last store, while the tile is in cache.
+* **Depthwise convolution** (``groups = C_in = C_out``; ``kiln_conv_dw_f32``,
+  :mod:`.conv_dw_source`): a direct loop on channels-last input, 8 output pixels x 16
+  channels in eight 16-wide accumulators with AVX-512 (4 x 16 in eight 8-wide ones with
+  AVX2), the taps walked with the weight reordered once to ``[KH][KW][C]`` so that every
+  load is contiguous along the channels; the bias is the accumulators' start value.  Each
+  output row is split into the pixels whose taps all lie inside the input row, computed
+  without bounds checks or masks, and its borders.  Threads split the (image, output row)
+  grid.
 * **Direct convolution for few input channels** (at most :data:`DIRECT_MAX_CHANNELS`, a
   ``k x k`` window: a CNN's stem; ``kiln_conv_direct_f32``): each input value is broadcast
   against 16 output channels of the weight (reordered once to ``[C][KH][KW][Cout]``, padded
@@ -33,13 +36,17 @@ through convolution chains (:mod:`.partition`); their C is :mod:`.conv_source`:
   oneDNN's 108; with 64 output channels (ResNet's 7x7 stem) oneDNN is faster (640 against
   1070 us), and the chooser keeps it.
 
-Each kernel object checks and plans every operand signature (shapes, strides, dtypes) once;
-a call then passes its sizes in one C array (``kiln_conv_*_g``: six ctypes arguments, not
-two dozen): a small convolution costs about 8 us from Python to Python, kernel included.
-
-The batch norm and activation that follow a convolution stay in the generated epilogue
-kernel of the fused group (see :mod:`kiln.backends.common.select`), one pass over the
-result.
+Every kernel applies ``act(acc + bias + residual)`` to each output element before storing it
+(:data:`ACTIVATIONS`: none, relu, relu6, hardswish; the residual optional, NHWC like the
+result), after the last block of the reduction, on values still in registers or in cache.
+All three kinds have one C entry, ``kiln_conv_k(void *const *p)``: ``p[0]`` an array of
+sizes and strides (:meth:`KilnConv2d.native_geometry`), then the input, the packed weight
+(:meth:`KilnConv2d.pack_weight_into`), the bias, the residual and the result -- the
+signature of a generated kernel, so a native run of generated code launches it from its
+kernel table (:mod:`.conv_plan`), with the batch norm folded into the packed weight and the
+activation and residual add in the tile store.  Called from Python (:class:`KilnConv2d`),
+each kernel object checks and plans every operand signature once; a small convolution then
+costs about 8 us from Python to Python, kernel included.
 
 :func:`native_conv` is what the cpu library table asks for a 2-d float32 convolution with a
 parameter weight: a :class:`~kiln.backends.common.library.LibraryCall` of kiln's kernel when
@@ -51,6 +58,7 @@ the oneDNN call on random inputs of the node's shapes (once per shape and machin
 from __future__ import annotations
 
 import ctypes
+import functools
 import threading
 from collections.abc import Callable
 
@@ -68,16 +76,25 @@ _L = ctypes.c_long
 _P = ctypes.c_void_p
 
 
-def _kernels() -> dict[str, ctypes._CFuncPtr] | None:
+@functools.lru_cache(maxsize=1)
+def _library() -> ctypes.CDLL | None:
     lib = load_library(SOURCE)
     if lib is None:
         return None
-    kernels = {"gemm": lib.kiln_conv_gemm_g, "depthwise": lib.kiln_conv_dw_g, "direct": lib.kiln_conv_direct_g}
-    for fn in kernels.values():
-        fn.argtypes = [_P] * 5 + [ctypes.c_int]
-        fn.restype = ctypes.c_int
-    kernels["depthwise"].restype = None
-    return kernels
+    lib.kiln_conv_k.argtypes = [_P]
+    lib.kiln_conv_k.restype = None
+    return lib
+
+
+def conv_entry() -> int | None:
+    """The address of ``kiln_conv_k`` (the one C entry of every kind, see
+    :mod:`.conv_source`), for a kernel table of generated code; ``None`` without a compiler."""
+    lib = _library()
+    return None if lib is None else ctypes.cast(lib.kiln_conv_k, _P).value
+
+
+def _failures(lib: ctypes.CDLL) -> int:
+    return _L.in_dll(lib, "kiln_conv_failures").value
 
 
 def kind(x_shape: tuple[int, ...], w_shape: tuple[int, ...], stride: tuple[int, ...], padding: tuple[int, ...],
@@ -106,25 +123,56 @@ def _out_size(size: int, k: int, s: int, p: int, d: int) -> int:
     return (size + 2 * p - d * (k - 1) - 1) // s + 1
 
 
+ACTIVATIONS = ("none", "relu", "relu6", "hardswish")
+"""What a kernel applies to each output element before storing it (after bias and residual)."""
+
+KINDS = ("gemm", "depthwise", "direct")
+
+
 class KilnConv2d:
-    """A 2-d float32 convolution on kiln's kernels (``"gemm"`` or ``"depthwise"``), with
+    """A 2-d float32 convolution on kiln's kernels (``"gemm"``, ``"depthwise"`` or
+    ``"direct"``) with activation ``act`` (:data:`ACTIVATIONS`) applied in the tile store,
     the weight packed once and again only when the parameter's storage or version changes.
     Returns the NCHW result stored channels-last."""
 
     def __init__(self, kernel_kind: str, stride: tuple[int, ...], padding: tuple[int, ...],
-                 dilation: tuple[int, ...], groups: int):
-        if kernel_kind not in ("gemm", "depthwise", "direct"):
+                 dilation: tuple[int, ...], groups: int, act: str = "none"):
+        if kernel_kind not in KINDS:
             raise ValueError(f"unknown kiln convolution kind {kernel_kind!r} (gemm, depthwise, direct)")
-        kernels = _kernels()
-        if kernels is None:
+        if act not in ACTIVATIONS:
+            raise ValueError(f"unknown kiln convolution activation {act!r} ({', '.join(ACTIVATIONS)})")
+        lib = _library()
+        if lib is None:
             raise RuntimeError("kiln convolutions need a C compiler with OpenMP (set $CC or install gcc)")
-        self.kind = kernel_kind
+        self.kind, self.act = kernel_kind, act
         self.stride, self.padding, self.dilation, self.groups = tuple(stride), tuple(padding), tuple(dilation), groups
-        self._run = kernels[kernel_kind]
+        self._lib = lib
         self._packed: tuple[tuple | None, torch.Tensor, torch.Tensor] | None = None
         self._plans: dict[tuple, tuple] = {}
-        """Per operand signature (shapes, strides, dtypes): what :meth:`_plan` found."""
+        """Per operand signature (shapes, strides, dtypes, threads): what :meth:`_plan` found."""
         self._lock = threading.Lock()
+
+    # ---------------------------------------------------------------- weights
+    def packed_weight_shape(self, w_shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The shape of the packed form of a weight of shape ``w_shape`` (float32)."""
+        cout, cin_g, kh, kw = w_shape
+        if self.kind == "gemm":  # K x Cout in 16-column panels, k = (c, kh, kw)
+            return tuple(microgemm.packed_shape(cin_g * kh * kw, cout))
+        if self.kind == "direct":  # [C][KH][KW][Cout padded to 16]
+            return (cin_g, kh, kw, -(-cout // 16) * 16)
+        return (kh, kw, cout)  # depthwise: [KH][KW][C]
+
+    def pack_weight_into(self, w: torch.Tensor, target: torch.Tensor) -> None:
+        """Write the packed form of the weight ``w`` (float32, ``[Cout, Cin/groups, KH, KW]``)
+        into ``target`` (of :meth:`packed_weight_shape`)."""
+        w = w.detach()
+        if self.kind == "gemm":
+            microgemm.pack_panels(w.reshape(w.shape[0], -1).t(), target)
+        elif self.kind == "direct":
+            target.zero_()
+            target[..., :w.shape[0]] = w.permute(1, 2, 3, 0)
+        else:
+            target.copy_(w[:, 0].permute(1, 2, 0))
 
     def _weight(self, w: torch.Tensor) -> torch.Tensor:
         key = version_key([w])  # None for an inference tensor: never reuse its packing
@@ -132,64 +180,85 @@ class KilnConv2d:
         if packed is not None and key is not None and packed[0] == key:
             return packed[1]
         with self._lock:
-            source, w = w, w.detach()
-            if self.kind == "gemm":
-                cout = w.shape[0]
-                b = w.reshape(cout, -1).t()  # K x Cout, k = (c, kh, kw)
-                weight = torch.empty(microgemm.packed_shape(b.shape[0], cout), dtype=torch.float32)
-                microgemm.pack_panels(b, weight)
-            elif self.kind == "direct":  # [C][KH][KW][Cout padded to 16]
-                cout = w.shape[0]
-                weight = torch.zeros((*w.shape[1:], -(-cout // 16) * 16), dtype=torch.float32)
-                weight[..., :cout] = w.permute(1, 2, 3, 0)
-            else:
-                weight = w[:, 0].permute(1, 2, 0).contiguous()  # [KH][KW][C]
-            self._packed = (key, weight, source)  # the source kept: see version_key
+            weight = torch.empty(self.packed_weight_shape(tuple(w.shape)), dtype=torch.float32)
+            self.pack_weight_into(w.float(), weight)
+            self._packed = (key, weight, w)  # the source kept: see version_key
         return weight
 
-    def __call__(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-        signature = (x.shape, x.stride(), x.dtype, w.shape, w.dtype, None if b is None else (b.shape, b.dtype))
+    # ---------------------------------------------------------------- calls
+    def __call__(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
+                 residual: torch.Tensor | None = None) -> torch.Tensor:
+        """``act(conv(x, w) + b + residual)``; ``residual`` has the result's (NCHW) shape."""
+        t = threads()
+        signature = (x.shape, x.stride(), x.dtype, w.shape, w.dtype, None if b is None else (b.shape, b.dtype),
+                     None if residual is None else (residual.shape, residual.dtype), t)
         plan = self._plans.get(signature)
         if plan is None:
-            plan = self._plans[signature] = self._plan(x, w, b)
+            plan = self._plans[signature] = self._plan(x, w, b, residual, t)
         geometry, out_shape, relayout, cast_bias = plan
         weight = self._weight(w)
         if b is not None and cast_bias:
             b = b.detach().contiguous().to(torch.float32)
         if relayout:
             x = x.contiguous(memory_format=torch.channels_last)
+        if residual is not None:  # NHWC contiguous, like the result
+            residual = residual.detach().float().permute(0, 2, 3, 1).contiguous()
         out = torch.empty(out_shape, dtype=torch.float32)
-        if self._run(geometry, x.data_ptr(), weight.data_ptr(), 0 if b is None else b.data_ptr(), out.data_ptr(), threads()):
+        pointers = (_P * 6)(ctypes.addressof(geometry), x.data_ptr(), weight.data_ptr(),
+                            0 if b is None else b.data_ptr(), 0 if residual is None else residual.data_ptr(),
+                            out.data_ptr())
+        failures = _failures(self._lib)
+        self._lib.kiln_conv_k(pointers)
+        if _failures(self._lib) != failures:
             raise MemoryError("kiln conv2d could not allocate its packing buffers")
         return out.permute(0, 3, 1, 2)
 
-    def _plan(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> tuple:
+    def native_geometry(self, x_shape: tuple[int, ...], x_strides: tuple[int, ...], w_shape: tuple[int, ...],
+                        has_bias: bool, has_residual: bool, threads: int) -> list[int]:
+        """The size array ``g`` of ``kiln_conv_k`` (:mod:`.conv_source`) for an input of
+        ``x_shape`` stored with element strides ``x_strides`` (NCHW order), a weight of
+        ``w_shape`` and ``threads`` threads.  A depthwise kernel reads its input
+        channels-last only: any other layout is a ``ValueError``."""
+        n, c, h, wd = x_shape
+        cout, cin_g, kh, kw = w_shape
+        if cin_g * self.groups != c:
+            raise ValueError(f"weight {tuple(w_shape)} with groups={self.groups} does not match "
+                             f"{c} input channels")
+        (sh, sw), (ph, pw), (dh, dw) = self.stride, self.padding, self.dilation
+        oh, ow = _out_size(h, kh, sh, ph, dh), _out_size(wd, kw, sw, pw, dw)
+        if oh < 1 or ow < 1:
+            raise ValueError(f"convolution output {oh}x{ow} is empty for input {tuple(x_shape)}")
+        sizes = [n, c, h, wd, oh, ow, kh, kw, sh, sw, ph, pw, dh, dw]
+        if self.kind == "depthwise":
+            if c > 1 and x_strides[1] != 1:
+                raise ValueError(f"kiln's depthwise convolution reads its input channels-last; input "
+                                 f"{tuple(x_shape)} has strides {tuple(x_strides)}")
+            sizes += [x_strides[0], x_strides[2], x_strides[3]]
+        else:
+            sizes += [*x_strides, cout]
+        flags = (1 if has_bias else 0) | (2 if has_residual else 0)
+        return [KINDS.index(self.kind), ACTIVATIONS.index(self.act), flags, max(1, int(threads)), *sizes]
+
+    def _plan(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, residual: torch.Tensor | None,
+              t: int) -> tuple:
         """What a call with these operand shapes, strides and dtypes passes (checked once):
         the size array of the C entry, the result shape (NHWC), whether the input must be
         made channels-last first (depthwise) and whether the bias needs a contiguous copy."""
         if x.dtype != torch.float32 or w.dtype != torch.float32 or x.dim() != 4 or w.dim() != 4:
             raise TypeError(f"kiln conv2d takes 4-d float32 input and weight, got {x.dtype} "
                             f"{tuple(x.shape)} and {w.dtype} {tuple(w.shape)}")
-        n, c, h, wd = x.shape
-        cout, cin_g, kh, kw = w.shape
-        if cin_g * self.groups != c:
-            raise ValueError(f"weight {tuple(w.shape)} with groups={self.groups} does not match "
-                             f"{c} input channels")
+        cout = w.shape[0]
         if b is not None and tuple(b.shape) != (cout,):
             raise ValueError(f"bias has shape {tuple(b.shape)}, expected ({cout},)")
-        (sh, sw), (ph, pw), (dh, dw) = self.stride, self.padding, self.dilation
-        oh, ow = _out_size(h, kh, sh, ph, dh), _out_size(wd, kw, sw, pw, dw)
-        if oh < 1 or ow < 1:
-            raise ValueError(f"convolution output {oh}x{ow} is empty for input {tuple(x.shape)}")
-        sizes = [n, c, h, wd, oh, ow, kh, kw, sh, sw, ph, pw, dh, dw]
-        relayout = self.kind == "depthwise" and c > 1 and x.stride(1) != 1
-        if self.kind != "depthwise":
-            sizes += [*x.stride(), cout]
-        else:
-            strides = x.contiguous(memory_format=torch.channels_last).stride() if relayout else x.stride()
-            sizes += [strides[0], strides[2], strides[3]]
+        relayout = self.kind == "depthwise" and x.shape[1] > 1 and x.stride(1) != 1
+        strides = x.contiguous(memory_format=torch.channels_last).stride() if relayout else x.stride()
+        sizes = self.native_geometry(tuple(x.shape), tuple(strides), tuple(w.shape), b is not None,
+                                     residual is not None, t)
+        n, oh, ow = sizes[4], sizes[8], sizes[9]
+        if residual is not None and tuple(residual.shape) != (n, cout, oh, ow):
+            raise ValueError(f"residual has shape {tuple(residual.shape)}, expected {(n, cout, oh, ow)}")
         cast_bias = b is not None and (b.dtype != torch.float32 or not b.is_contiguous())
-        return (ctypes.c_long * len(sizes))(*sizes), (n, oh, ow, cout), relayout, cast_bias
+        return (_L * len(sizes))(*sizes), (n, oh, ow, cout), relayout, cast_bias
 
 
 def conv2d(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, *, stride=(1, 1), padding=(0, 0),
@@ -226,7 +295,7 @@ def native_conv(node: Node, library: Callable[..., torch.Tensor]) -> LibraryCall
         return None
     stride, padding, dilation, groups = tuple(a["stride"]), tuple(a["padding"]), tuple(a["dilation"]), a["groups"]
     kernel_kind = kind(shapes[0], shapes[1], stride, padding, dilation, groups)
-    if kernel_kind is None or _kernels() is None:
+    if kernel_kind is None or _library() is None:
         return None
     conv = KilnConv2d(kernel_kind, stride, padding, dilation, groups)
     gen = torch.Generator().manual_seed(0)
@@ -243,4 +312,4 @@ def native_conv(node: Node, library: Callable[..., torch.Tensor]) -> LibraryCall
     return LibraryCall(conv, False, f"kiln {kernel_kind} convolution", channels_last=True)
 
 
-__all__ = ["SOURCE", "KilnConv2d", "conv2d", "kind", "native_conv"]
+__all__ = ["ACTIVATIONS", "KINDS", "SOURCE", "KilnConv2d", "conv2d", "conv_entry", "kind", "native_conv"]

@@ -1,13 +1,66 @@
 """The C source of kiln's 2-d convolution kernels (:mod:`.conv` documents them): the
-implicit GEMM on :mod:`.microgemm`'s micro-kernels (its C source is included), the
-depthwise kernel and the direct kernel for few input channels, each with an entry taking
-its sizes in one array (``kiln_conv_*_g``)."""
+post-op epilogue they share, the implicit GEMM on :mod:`.microgemm`'s micro-kernels (its C
+source is included), the depthwise kernel (:mod:`.conv_dw_source`) and the direct kernel
+for few input channels, all behind one entry, ``kiln_conv_k``, taking its sizes and operand
+pointers in one array each."""
 
 from __future__ import annotations
 
 from . import microgemm
+from .conv_dw_source import DW_SOURCE
 
-SOURCE = microgemm.SOURCE + r"""
+_GEMM = r"""
+/* ------------------------------------------------------------------ post-ops */
+/* The epilogue of every kernel, on a value still in registers: y = act(acc + bias + residual),
+   act 0 none, 1 relu, 2 relu6, 3 hardswish (y * min(max(y + 3, 0), 6) / 6, torch's order). */
+static inline float kcv_act1(float y, int act) {
+  if (act == 1) return y > 0.0f ? y : 0.0f;
+  if (act == 2) return y > 0.0f ? (y < 6.0f ? y : 6.0f) : 0.0f;
+  if (act == 3) { float t = y + 3.0f; t = t > 0.0f ? (t < 6.0f ? t : 6.0f) : 0.0f; return y * t / 6.0f; }
+  return y;
+}
+#ifdef KMG_AVX512
+static inline __m512 kcv_act16(__m512 y, int act) {
+  if (act == 0) return y;
+  __m512 z = _mm512_setzero_ps(), six = _mm512_set1_ps(6.0f);
+  if (act == 1) return _mm512_max_ps(y, z);
+  if (act == 2) return _mm512_min_ps(_mm512_max_ps(y, z), six);
+  __m512 t = _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(y, _mm512_set1_ps(3.0f)), z), six);
+  return _mm512_div_ps(_mm512_mul_ps(y, t), six);
+}
+#endif
+#ifdef KMG_AVX2
+static inline __m256 kcv_act8(__m256 y, int act) {
+  if (act == 0) return y;
+  __m256 z = _mm256_setzero_ps(), six = _mm256_set1_ps(6.0f);
+  if (act == 1) return _mm256_max_ps(y, z);
+  if (act == 2) return _mm256_min_ps(_mm256_max_ps(y, z), six);
+  __m256 t = _mm256_min_ps(_mm256_max_ps(_mm256_add_ps(y, _mm256_set1_ps(3.0f)), z), six);
+  return _mm256_div_ps(_mm256_mul_ps(y, t), six);
+}
+#endif
+/* c[0..w) = act(c + bias[0..w) + res[0..w)), bias and res optional: one row of a tile, in cache */
+static inline void kcv_post_row(float *c, const float *bias, const float *res, long w, int act) {
+  long j = 0;
+#ifdef KMG_AVX512
+  for (; j < w; j += 16) {
+    __mmask16 m = w - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (w - j)) - 1u);
+    __m512 y = _mm512_maskz_loadu_ps(m, c + j);
+    if (bias) y = _mm512_add_ps(y, _mm512_maskz_loadu_ps(m, bias + j));
+    if (res) y = _mm512_add_ps(y, _mm512_maskz_loadu_ps(m, res + j));
+    _mm512_mask_storeu_ps(c + j, m, kcv_act16(y, act));
+  }
+#elif defined(KMG_AVX2)
+  for (; j + 8 <= w; j += 8) {
+    __m256 y = _mm256_loadu_ps(c + j);
+    if (bias) y = _mm256_add_ps(y, _mm256_loadu_ps(bias + j));
+    if (res) y = _mm256_add_ps(y, _mm256_loadu_ps(res + j));
+    _mm256_storeu_ps(c + j, kcv_act8(y, act));
+  }
+#endif
+  for (; j < w; j++) c[j] = kcv_act1(c[j] + (bias ? bias[j] : 0.0f) + (res ? res[j] : 0.0f), act);
+}
+
 /* ------------------------------------------------------------------ unpacked A */
 #define KCD_ROWS 6
 /* c[rows][w] (row stride ldc) (+)= A[rows][kc] @ Bp[kc][16] with A read in place (row stride
@@ -90,9 +143,9 @@ static void kcd_pair(long kc, const float *a, long lda, long rows, const float *
 /* One convolution as a GEMM: out[M][Cout] (+ bias) = A @ Bp, A never stored (see kcg_pack) */
 typedef struct {
   long N, C, H, W, OH, OW, KH, KW, sh, sw, ph, pw, dh, dw, xn, xc, xh, xw, M, K, Cout, panels;
-  const float *x, *Bp, *bias;
+  const float *x, *Bp, *bias, *res;
   float *out;
-  int checks, inplace;
+  int checks, inplace, act;
 } kcg_t;
 
 /* the k -> (c, kh, kw) tables of the K block starting at pc, entries [k0, k1) */
@@ -131,7 +184,8 @@ static inline void kcg_pack(const kcg_t *g, long ic, long mc, long ib, long kc, 
 }
 
 /* the tiles of unit u (KMG_STEP panels) and micro-panel ib (packed at ap, unless in place) of
-   the rows [ic, ic + mc), K block [pc, pc + kc); the bias after the last block */
+   the rows [ic, ic + mc), K block [pc, pc + kc); the epilogue (bias, residual, activation)
+   after the last block only, on each tile right after its last store */
 static inline void kcg_unit(const kcg_t *g, long ic, long mc, long ib, long u, long pc, long kc, const float *ap) {
   long C = g->C, K = g->K, Cout = g->Cout, panels = g->panels;
   const float *x = g->x;
@@ -157,9 +211,10 @@ static inline void kcg_unit(const kcg_t *g, long ic, long mc, long ib, long u, l
         kcd_tile(kc, x + (m0 + r0) * C + pc, C, rows - r0 < 6 ? rows - r0 : 6, bp, c + r0 * Cout, Cout, pc > 0, w);
     } else if (w == KMG_NR) kmg_tile(rows, kc, ap, bp, c, Cout, pc > 0);
     else kmg_edge(kc, ap, bp, c, Cout, pc > 0, rows, w);
-    if (last && g->bias)
+    if (last && (g->bias || g->res || g->act))
       for (long r = 0; r < rows; r++)
-        for (long j = 0; j < w; j++) c[r * Cout + j] += g->bias[n0 + j];
+        kcv_post_row(c + r * Cout, g->bias ? g->bias + n0 : 0, g->res ? g->res + (m0 + r) * Cout + n0 : 0, w,
+                     g->act);
     p += w > KMG_NR ? 2 : 1;
   }
 }
@@ -193,22 +248,24 @@ static void kcg_rows(const kcg_t *g, long m_lo, long m_hi, kcg_scratch *s) {
   }
 }
 
-/* out[M][Cout] (+ bias) = A @ Bp with A(m, kk) = x[n, c, oh*sh - ph + kh*dh, ow*sw - pw + kw*dw]
+/* out[M][Cout] = act(A @ Bp + bias + res) with A(m, kk) = x[n, c, oh*sh - ph + kh*dh, ow*sw - pw + kw*dw]
    (0 outside the input), m = (n, oh, ow), kk = (c, kh, kw); x's element (n,c,h,w) at
    x[n*xn + c*xc + h*xh + w*xw]; Bp: K x Cout in 16-column panels.  With at least two
    micro-panels of rows per thread and no more output channels than rows, each thread takes
    a range of rows with its own scratch (no barriers: the blocks of a small convolution are
    too short to share); else the threads share each block's (panel, micro-panel) grid.
-   Returns 1 without memory. */
+   res (optional) is laid out like out.  Returns 1 without memory. */
 int kiln_conv_gemm_f32(long N, long C, long H, long W, long OH, long OW, long KH, long KW,
                        long sh, long sw, long ph, long pw, long dh, long dw,
                        const float *x, long xn, long xc, long xh, long xw,
-                       const float *Bp, long Cout, const float *bias, float *out, int nthreads) {
+                       const float *Bp, long Cout, const float *bias, const float *res, int act, float *out,
+                       int nthreads) {
   long M = N * OH * OW, K = C * KH * KW, panels = (Cout + KMG_NR - 1) / KMG_NR;
   if (M <= 0 || Cout <= 0) return 0;
   if (K <= 0) {
     for (long m = 0; m < M; m++)
-      for (long j = 0; j < Cout; j++) out[m * Cout + j] = bias ? bias[j] : 0.0f;
+      for (long j = 0; j < Cout; j++) out[m * Cout + j] = 0.0f;
+    for (long m = 0; m < M; m++) kcv_post_row(out + m * Cout, bias, res ? res + m * Cout : 0, Cout, act);
     return 0;
   }
   int checks = ph > 0 || pw > 0;
@@ -216,7 +273,7 @@ int kiln_conv_gemm_f32(long N, long C, long H, long W, long OH, long OW, long KH
   int inplace = KH == 1 && KW == 1 && sh == 1 && sw == 1 && !checks && xc == 1 && xw == C && xh == W * C
                 && (N == 1 || xn == H * W * C);
   kcg_t g = {N, C, H, W, OH, OW, KH, KW, sh, sw, ph, pw, dh, dw, xn, xc, xh, xw, M, K, Cout, panels,
-             x, Bp, bias, out, checks, inplace};
+             x, Bp, bias, res, out, checks, inplace, act};
   long mc_max = M < KMG_MC ? M : KMG_MC, kc_max = K < KMG_KC ? K : KMG_KC;
   long mc_rounded = (mc_max + KMG_MR - 1) / KMG_MR * KMG_MR;
   int failed = 0;
@@ -265,127 +322,29 @@ int kiln_conv_gemm_f32(long N, long C, long H, long W, long OH, long OW, long KH
   return 0;
 }
 
-/* ------------------------------------------------------------------ depthwise */
-#define KDW_PX 4
-/* acc[p][0..cw) += x(pixel p)[c0..] * w[c0..] over the taps; a block of up to 4 output pixels
-   of one row and up to 16 channels (cw), AVX2 registers when available. */
-#if defined(__AVX2__) && defined(__FMA__)
-static inline __m256i kdw_mask(long n) {
-  const int idx[8] = {0, 1, 2, 3, 4, 5, 6, 7};
-  __m256i i = _mm256_loadu_si256((const __m256i *)idx);
-  return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)n), i);
-}
-#define KDW_LOAD(p, m) (full ? _mm256_loadu_ps(p) : _mm256_maskload_ps(p, m))
-static inline __attribute__((always_inline)) void kdw_block(
-    const float *xi, long xh, long xw, const float *wt, long C, long c0, long cw, const float *bias, long H,
-    long W, long KH, long KW, long sw, long pw, long dh, long dw, long ih0, long ow, long px, float *orow,
-    const int full, const int inside) {
-  __m256i m0 = kdw_mask(cw), m1 = kdw_mask(cw - 8);
-  __m256 b0 = bias ? _mm256_maskload_ps(bias + c0, m0) : _mm256_setzero_ps();
-  __m256 b1 = bias ? _mm256_maskload_ps(bias + c0 + 8, m1) : _mm256_setzero_ps();
-  __m256 a00 = b0, a01 = b1, a10 = b0, a11 = b1, a20 = b0, a21 = b1, a30 = b0, a31 = b1;
-  for (long kh = 0; kh < KH; kh++) {
-    long ih = ih0 + kh * dh;
-    if (ih < 0 || ih >= H) continue;
-    const float *xr = xi + ih * xh + c0;
-    for (long kw = 0; kw < KW; kw++) {
-      const float *wp = wt + (kh * KW + kw) * C + c0;
-      __m256 w0 = KDW_LOAD(wp, m0), w1 = KDW_LOAD(wp + 8, m1);
-      long iw = ow * sw - pw + kw * dw;
-#define KDW_PIX(P, A0, A1) \
-      if ((full && inside) || (P < px && iw + P * sw >= 0 && iw + P * sw < W)) { \
-        const float *xp = xr + (iw + P * sw) * xw; \
-        A0 = _mm256_fmadd_ps(KDW_LOAD(xp, m0), w0, A0); \
-        A1 = _mm256_fmadd_ps(KDW_LOAD(xp + 8, m1), w1, A1); \
-      }
-      KDW_PIX(0, a00, a01) KDW_PIX(1, a10, a11) KDW_PIX(2, a20, a21) KDW_PIX(3, a30, a31)
-#undef KDW_PIX
-#undef KDW_LOAD
-    }
-  }
-  float *o = orow + ow * C + c0;
-  if (full && inside) {
-    _mm256_storeu_ps(o, a00); _mm256_storeu_ps(o + 8, a01); _mm256_storeu_ps(o + C, a10);
-    _mm256_storeu_ps(o + C + 8, a11); _mm256_storeu_ps(o + 2 * C, a20); _mm256_storeu_ps(o + 2 * C + 8, a21);
-    _mm256_storeu_ps(o + 3 * C, a30); _mm256_storeu_ps(o + 3 * C + 8, a31);
-    return;
-  }
-  _mm256_maskstore_ps(o, m0, a00); _mm256_maskstore_ps(o + 8, m1, a01);
-  if (px > 1) { _mm256_maskstore_ps(o + C, m0, a10); _mm256_maskstore_ps(o + C + 8, m1, a11); }
-  if (px > 2) { _mm256_maskstore_ps(o + 2 * C, m0, a20); _mm256_maskstore_ps(o + 2 * C + 8, m1, a21); }
-  if (px > 3) { _mm256_maskstore_ps(o + 3 * C, m0, a30); _mm256_maskstore_ps(o + 3 * C + 8, m1, a31); }
-}
-#else
-static inline void kdw_block(const float *xi, long xh, long xw, const float *wt, long C, long c0, long cw,
-                             const float *bias, long H, long W, long KH, long KW, long sw, long pw, long dh, long dw,
-                             long ih0, long ow, long px, float *orow, const int full, const int inside) {
-  (void)full; (void)inside;
-  float acc[KDW_PX][16];
-  for (long p = 0; p < px; p++)
-    for (long c = 0; c < cw; c++) acc[p][c] = bias ? bias[c0 + c] : 0.0f;
-  for (long kh = 0; kh < KH; kh++) {
-    long ih = ih0 + kh * dh;
-    if (ih < 0 || ih >= H) continue;
-    for (long kw = 0; kw < KW; kw++) {
-      const float *wp = wt + (kh * KW + kw) * C + c0;
-      for (long p = 0; p < px; p++) {
-        long iw = (ow + p) * sw - pw + kw * dw;
-        if (iw < 0 || iw >= W) continue;
-        const float *xp = xi + ih * xh + iw * xw + c0;
-        for (long c = 0; c < cw; c++) acc[p][c] += xp[c] * wp[c];
-      }
-    }
-  }
-  for (long p = 0; p < px; p++)
-    for (long c = 0; c < cw; c++) orow[(ow + p) * C + c0 + c] = acc[p][c];
-}
-#endif
+"""
 
-/* out[n,oh,ow,c] (NHWC) = bias[c] + sum_(kh,kw) x[n, ih, iw, c] wt[kh][kw][c];
-   x's element (n,c,h,w) at x[n*xn + c + h*xh + w*xw] (channels unit-stride). */
-void kiln_conv_dw_f32(long N, long C, long H, long W, long OH, long OW, long KH, long KW,
-                      long sh, long sw, long ph, long pw, long dh, long dw,
-                      const float *x, long xn, long xh, long xw,
-                      const float *wt, const float *bias, float *out, int nthreads) {
-  #pragma omp parallel for collapse(2) schedule(static) num_threads(nthreads)
-  for (long n = 0; n < N; n++) {
-    for (long oh = 0; oh < OH; oh++) {
-      float *orow = out + (n * OH + oh) * OW * C;
-      for (long ow = 0; ow < OW; ow += KDW_PX) {
-        long px = OW - ow < KDW_PX ? OW - ow : KDW_PX;
-        /* every tap of the block's pixels inside the row: no bounds checks */
-        int inside = px == KDW_PX && ow * sw - pw >= 0 && (ow + px - 1) * sw - pw + (KW - 1) * dw < W;
-        const float *xi = x + n * xn;
-        long ih0 = oh * sh - ph, c0 = 0;
-        if (inside)
-          for (; c0 + 16 <= C; c0 += 16)
-            kdw_block(xi, xh, xw, wt, C, c0, 16, bias, H, W, KH, KW, sw, pw, dh, dw, ih0, ow, px, orow, 1, 1);
-        for (; c0 < C; c0 += 16)
-          kdw_block(xi, xh, xw, wt, C, c0, C - c0 < 16 ? C - c0 : 16, bias, H, W, KH, KW, sw, pw, dh, dw, ih0, ow,
-                    px, orow, 0, 0);
-      }
-    }
-  }
-}
-
+_DIRECT = r"""
 /* ------------------------------------------------------------------ few input channels */
 #define KDR_PX 8
 #define KDR_CB 16
-/* out[n,oh,ow,co] (NHWC) = bias[co] + sum_(c,kh,kw) x[n,c,ih,iw] wt[c][kh][kw][co] (0 outside the
-   input), x's element (n,c,h,w) at x[n*xn + c*xc + h*xh + w*xw], wt's output channels padded
+/* out[n,oh,ow,co] (NHWC) = act(bias[co] + sum_(c,kh,kw) x[n,c,ih,iw] wt[c][kh][kw][co] (0 outside
+   the input) + res[n,oh,ow,co]), x's element (n,c,h,w) at x[n*xn + c*xc + h*xh + w*xw], wt's output channels padded
    with zeros to Cp (a multiple of 16): each input value is broadcast against 16 output
    channels, for 8 output pixels of a row at once (eight vector accumulators).  For the stem
    of a CNN (3 input channels), where a GEMM's K is too short to pay for packing A. */
 void kiln_conv_direct_f32(long N, long C, long H, long W, long OH, long OW, long KH, long KW,
                           long sh, long sw, long ph, long pw, long dh, long dw,
                           const float *x, long xn, long xc, long xh, long xw,
-                          const float *wt, long Cout, const float *bias, float *out, int nthreads) {
+                          const float *wt, long Cout, const float *bias, const float *res, int act, float *out,
+                          int nthreads) {
   long Cp = (Cout + KDR_CB - 1) / KDR_CB * KDR_CB;
   #pragma omp parallel for collapse(2) schedule(static) num_threads(nthreads)
   for (long n = 0; n < N; n++) {
     for (long oh = 0; oh < OH; oh++) {
       const float *xi = x + n * xn;
       float *orow = out + (n * OH + oh) * OW * Cout;
+      const float *rrow = res ? res + (n * OH + oh) * OW * Cout : 0;
       for (long ow = 0; ow < OW; ow += KDR_PX) {
         long px = OW - ow < KDR_PX ? OW - ow : KDR_PX;
         for (long c0 = 0; c0 < Cout; c0 += KDR_CB) {
@@ -419,7 +378,11 @@ void kiln_conv_direct_f32(long N, long C, long H, long W, long OH, long OW, long
           }
           float *o = orow + ow * Cout + c0;
           __m512 acc[KDR_PX] = {a0, a1, a2, a3, a4, a5, a6, a7};
-          for (long p = 0; p < px; p++) _mm512_mask_storeu_ps(o + p * Cout, m, acc[p]);
+          for (long p = 0; p < px; p++) {
+            __m512 y = acc[p];
+            if (rrow) y = _mm512_add_ps(y, _mm512_maskz_loadu_ps(m, rrow + (ow + p) * Cout + c0));
+            _mm512_mask_storeu_ps(o + p * Cout, m, kcv_act16(y, act));
+          }
 #else
           float acc[KDR_PX][KDR_CB];
           for (long p = 0; p < KDR_PX; p++)
@@ -444,7 +407,9 @@ void kiln_conv_direct_f32(long N, long C, long H, long W, long OH, long OW, long
             }
           }
           for (long p = 0; p < px; p++)
-            for (long j = 0; j < cw; j++) orow[(ow + p) * Cout + c0 + j] = acc[p][j];
+            for (long j = 0; j < cw; j++)
+              orow[(ow + p) * Cout + c0 + j] =
+                  kcv_act1(acc[p][j] + (rrow ? rrow[(ow + p) * Cout + c0 + j] : 0.0f), act);
 #endif
         }
       }
@@ -452,23 +417,39 @@ void kiln_conv_direct_f32(long N, long C, long H, long W, long OH, long OW, long
   }
 }
 
-/* the same with the sizes and strides in one array (a call from Python converts 6 arguments,
-   not 24): g = N C H W OH OW KH KW sh sw ph pw dh dw, then x's strides (n c h w), then Cout */
-int kiln_conv_gemm_g(const long *g, const float *x, const float *Bp, const float *bias, float *out, int nthreads) {
-  return kiln_conv_gemm_f32(g[0], g[1], g[2], g[3], g[4], g[5], g[6], g[7], g[8], g[9], g[10], g[11], g[12], g[13],
-                            x, g[14], g[15], g[16], g[17], Bp, g[18], bias, out, nthreads);
-}
-int kiln_conv_direct_g(const long *g, const float *x, const float *wt, const float *bias, float *out,
-                       int nthreads) {
-  kiln_conv_direct_f32(g[0], g[1], g[2], g[3], g[4], g[5], g[6], g[7], g[8], g[9], g[10], g[11], g[12], g[13],
-                       x, g[14], g[15], g[16], g[17], wt, g[18], bias, out, nthreads);
-  return 0;
-}
-/* g = N C H W OH OW KH KW sh sw ph pw dh dw, then x's strides (n h w) */
-void kiln_conv_dw_g(const long *g, const float *x, const float *wt, const float *bias, float *out, int nthreads) {
-  kiln_conv_dw_f32(g[0], g[1], g[2], g[3], g[4], g[5], g[6], g[7], g[8], g[9], g[10], g[11], g[12], g[13],
-                   x, g[14], g[15], g[16], wt, bias, out, nthreads);
+/* ------------------------------------------------------------------ the entry */
+long kiln_conv_failures = 0;
+
+/* One convolution of any kind, the operands in one pointer array (what generated code calls
+   through its function table; it touches nothing of Python):
+   p[0] = const long g[]: g[0] kind (0 gemm, 1 depthwise, 2 direct), g[1] act (0 none, 1 relu,
+          2 relu6, 3 hardswish), g[2] flags (bit 0: bias, bit 1: residual), g[3] threads, then the
+          kind's sizes s = g + 4: N C H W OH OW KH KW sh sw ph pw dh dw, then x's strides
+          (n c h w) and Cout (gemm, direct) or x's strides (n h w) (depthwise: channels unit-stride);
+   p[1] x, p[2] the packed weight, p[3] bias, p[4] residual (NHWC, like out), p[5] out (NHWC).
+   A GEMM without memory for its scratch writes NaN and counts one in kiln_conv_failures. */
+void kiln_conv_k(void *const *p) {
+  const long *g = (const long *)p[0], *s = g + 4;
+  int act = (int)g[1], T = (int)g[3];
+  const float *x = (const float *)p[1], *wt = (const float *)p[2];
+  const float *bias = (g[2] & 1) ? (const float *)p[3] : 0, *res = (g[2] & 2) ? (const float *)p[4] : 0;
+  float *out = (float *)p[5];
+  if (g[0] == 1) {
+    kiln_conv_dw_f32(s[0], s[1], s[2], s[3], s[4], s[5], s[6], s[7], s[8], s[9], s[10], s[11], s[12], s[13],
+                     x, s[14], s[15], s[16], wt, bias, res, act, out, T);
+  } else if (g[0] == 2) {
+    kiln_conv_direct_f32(s[0], s[1], s[2], s[3], s[4], s[5], s[6], s[7], s[8], s[9], s[10], s[11], s[12], s[13],
+                         x, s[14], s[15], s[16], s[17], wt, s[18], bias, res, act, out, T);
+  } else if (kiln_conv_gemm_f32(s[0], s[1], s[2], s[3], s[4], s[5], s[6], s[7], s[8], s[9], s[10], s[11], s[12],
+                                s[13], x, s[14], s[15], s[16], s[17], wt, s[18], bias, res, act, out, T)) {
+    long total = s[0] * s[4] * s[5] * s[18];
+    for (long i = 0; i < total; i++) out[i] = __builtin_nanf("");
+    #pragma omp atomic
+    kiln_conv_failures++;
+  }
 }
 """
+
+SOURCE = microgemm.SOURCE + _GEMM + DW_SOURCE + _DIRECT
 
 __all__ = ["SOURCE"]
