@@ -11,6 +11,7 @@ from torch import nn
 
 import kiln
 from kiln.backends.cpu.packed_conv import packed_conv_available
+from kiln.backends.cpu.standalone import ENV_VAR
 from kiln.runtime.module import InputMismatchError
 
 pytestmark = pytest.mark.skipif(not packed_conv_available(2), reason="torch without oneDNN")
@@ -106,10 +107,13 @@ def test_relu_runs_inside_the_onednn_call_and_other_epilogues_stay_kernels(fold_
             assert _rel(got, want) <= 1e-4
 
 
-def test_only_large_results_fold_their_batch_norm():
-    """Folding costs a check per call (a few microseconds); it pays only for results from
-    FOLD_MIN_ELEMENTS elements, where the separate normalization pass is dearer."""
+def test_only_large_results_fold_their_batch_norm(monkeypatch):
+    """On a oneDNN call, folding costs a check per call (a few microseconds); it pays only
+    for results from FOLD_MIN_ELEMENTS elements, where the separate normalization pass is
+    dearer.  (kiln's own kernels fold every inference batch norm: their weights are checked
+    with the rest of a native run's, see tests/test_cpu_conv_native.py.)"""
     from kiln.backends.cpu.partition import FOLD_MIN_ELEMENTS
+    monkeypatch.setenv(ENV_VAR, "0")
     torch.manual_seed(0)
     for side, folded in ((8, False), (64, True)):
         model = _randomize_norms(nn.Sequential(nn.Conv2d(3, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16)))

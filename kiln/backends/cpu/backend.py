@@ -127,7 +127,7 @@ class CpuBuild(BuildPipeline):
         tuner = self.tuner
         gemm = tuner.choose if blas_providers() or tuner.micro is not None else None
         return CpuPartitioner(graph, self.backend, gemm, tune_sizes=getattr(self, "tune_sizes", None),
-                              updated=self.updated, nchw=self.nchw).run(choose)
+                              updated=self.updated, nchw=self.nchw, threads=self.threads).run(choose)
 
     def size_buckets(self, graph: Graph) -> list[dict[str, int]]:
         """GEMM provider buckets of a graph with one named size: the size at

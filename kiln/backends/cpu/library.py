@@ -42,6 +42,7 @@ implementation on the host -- how this backend runs nodes nothing else can run -
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -55,6 +56,7 @@ from kiln.runtime.tensors import from_numpy, to_numpy
 
 from .attention import attention_call
 from .conv import native_conv
+from .conv_plan import KilnConvCall
 from .packed_conv import PackedConv, packed_conv_available
 
 
@@ -94,8 +96,9 @@ def conv_call(node: Node, persistent: Sequence[bool] = (), post: str = "none") -
         packed = PackedConv(tuple(node.inputs[0].shape), stride, padding, dilation, groups, post)
         # kiln's own depthwise / 1x1 / patchify kernels where they measure faster (.conv)
         native = native_conv(node, packed) if spatial == 2 and post == "none" else None
-        if native is not None:
-            return native
+        if native is not None:  # also a foreign kernel of native runs (.conv_plan)
+            return replace(native, native=KilnConvCall(native.function, tuple(node.inputs[1].shape),
+                                                       len(node.inputs) > 2))
         return LibraryCall(packed, False, "oneDNN convolution, prepacked weight" + ("" if post == "none" else f"+{post}"),
                            channels_last=True)
 

@@ -88,6 +88,17 @@ class PackedConv:
                                                        self.post, [], "")
 
 
+def fold_batch_norm(w: torch.Tensor, b: torch.Tensor | None, gamma: torch.Tensor, beta: torch.Tensor,
+                    mean: torch.Tensor, var: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The weight and bias of a convolution (weight ``w``, bias ``b`` or ``None``) followed by
+    an inference batch norm: ``w * s`` per output channel and ``b * s + beta - mean * s``, with
+    ``s = gamma / sqrt(var + eps)``; both contiguous."""
+    scale = gamma.float() * torch.rsqrt(var.float() + eps)
+    weight = (w * scale.reshape(-1, *([1] * (w.dim() - 1)))).contiguous()
+    shift = beta.float() - mean.float() * scale
+    return weight, (shift if b is None else b * scale + shift).contiguous()
+
+
 class BatchNormFolded:
     """``conv`` (called as ``(x, w, b)``) followed by inference batch norm, as one call of
     ``conv`` with folded weights (see the module docstring).  Called as
@@ -113,10 +124,7 @@ class BatchNormFolded:
         # made outside inference mode, so that the folded weight has a version counter and a
         # packed copy of it can be reused
         with self._lock, torch.inference_mode(False), torch.no_grad():
-            scale = gamma.float() * torch.rsqrt(var.float() + self.eps)
-            weight = (w * scale.reshape(-1, *([1] * (w.dim() - 1)))).contiguous()
-            shift = beta.float() - mean.float() * scale
-            bias = (shift if b is None else b * scale + shift).contiguous()
+            weight, bias = fold_batch_norm(w, b, gamma, beta, mean, var, self.eps)
             # the tensors are kept, so a new tensor cannot take the address and version of a
             # freed one unnoticed
             self._folded = ((tensors, versions), weight, bias)
@@ -128,4 +136,4 @@ class BatchNormFolded:
         return self.conv(x, weight, bias)
 
 
-__all__ = ["POST_OPS", "BatchNormFolded", "PackedConv", "packed_conv_available", "version_key"]
+__all__ = ["POST_OPS", "BatchNormFolded", "fold_batch_norm", "PackedConv", "packed_conv_available", "version_key"]

@@ -33,6 +33,7 @@ from kiln.ir import Graph, Node, Value
 
 from .gemm import KILN_PROVIDER, GemmSpec, gemm_spec, size_c_expr
 from .library import conv_call, library_call, reference_call
+from .conv_plan import KilnConvCall, conv_epilogue, finish, plan_foreign, with_activation
 from .packed_conv import BatchNormFolded, PackedConv
 from .microgemm import packed_shape
 
@@ -46,8 +47,14 @@ class CpuPartitioner(Partitioner):
 
     def __init__(self, graph: Graph, backend: Backend, gemm: GemmChooser | None = None,
                  tune_sizes: dict[str, int] | None = None, updated: frozenset[str] = frozenset(),
-                 nchw: frozenset[str] = frozenset()):
+                 nchw: frozenset[str] = frozenset(), threads: int = 1, foreign: bool = True):
         super().__init__(graph, backend)
+        self.threads = threads
+        """Threads kiln's convolution kernels split their work between."""
+        self.foreign = foreign
+        """Whether kiln's convolutions may be planned as foreign kernels of native runs
+        (:mod:`.conv_plan`); a backend whose launcher has no kernel table of its own passes
+        ``False`` and runs them as library calls."""
         self.nchw = nchw
         """Result names of convolution nodes whose results stay NCHW (option ``nchw_convs``)."""
         self.updated = updated
@@ -153,22 +160,37 @@ class CpuPartitioner(Partitioner):
                        operand: dict[Value, PlanValue]) -> tuple[LibraryCall, list[Node], list[Value]] | None:
         """A convolution with a parameter weight computes the inference batch norm after it
         (folded into its weight, :class:`~.packed_conv.BatchNormFolded`) when the norm's
-        statistics and affine parameters are parameters too, and oneDNN applies a ReLU after
-        either in place."""
+        statistics and affine parameters are parameters too.  On kiln's kernels in a graph of
+        static shapes (a foreign kernel, :mod:`.conv_plan`) it also applies a residual add
+        and an activation in its tile store; oneDNN applies a ReLU in place."""
         if anchor.op_name != "conv" or not all(v.type.is_static for v in (*anchor.inputs, *anchor.outputs)):
             return None
         persistent = self.persistent([operand[v] for v in anchor.inputs])
         if len(persistent) < 2 or not persistent[1] or not all(persistent[2:]):
             return None
+        call = conv_call(anchor, persistent)  # kiln's own kernel or oneDNN, by measurement
+        native = call.native is not None and self.foreign and self.sample is None
         chain = _epilogue_chain(body, anchor)
         computed, reads, eps = [anchor], list(anchor.inputs), None
-        if (chain and chain[0].op_name == "batch_norm" and anchor.outputs[0].type.size >= FOLD_MIN_ELEMENTS
+        if (chain and chain[0].op_name == "batch_norm"
+                and (native or anchor.outputs[0].type.size >= FOLD_MIN_ELEMENTS)
                 and all(v in operand for v in chain[0].inputs[1:])
                 and all(self.persistent([operand[v] for v in chain[0].inputs[1:]]))):
             computed.append(chain.pop(0))
             reads += computed[-1].inputs[1:]
             eps = computed[-1].attrs["eps"]
-        call = conv_call(anchor, persistent)  # kiln's own kernel or oneDNN, by measurement
+        if native:
+            nodes, act, residual = conv_epilogue(body, computed[-1])
+            if len(computed) == 1 and not nodes:
+                return None
+            kcall = call.native
+            kcall = KilnConvCall(with_activation(kcall.conv, act), kcall.w_shape, kcall.has_bias, eps,
+                                 residual is not None)
+            computed += nodes
+            reads += [residual] if residual is not None else []
+            label = call.label + ("" if eps is None else ", batch norm folded") + ("" if act == "none" else f", {act}") \
+                + ("" if residual is None else ", residual")
+            return LibraryCall(kcall, False, label, channels_last=True, native=kcall), computed, reads
         if isinstance(call.function, PackedConv) and chain and chain[0].op_name == "relu":
             call = conv_call(anchor, persistent, "relu")
             computed.append(chain.pop(0))
@@ -187,6 +209,10 @@ class CpuPartitioner(Partitioner):
                 and self._planning.outputs and self._planning.outputs[0].name in self.nchw:
             call, again = _nchw(call), None if remake is None else (lambda n: _nchw(remake(n)))
             return super().library(call, ins, outs, label, again, source)
+        if call.native is not None and self.foreign and self.sample is None and len(outs) == 1:
+            value = plan_foreign(self, call, ins, outs[0], label)
+            if value is not None:
+                return [value]
         if (call.channels_last and not call.writes_into and len(outs) == 1 and outs[0].type.rank in CHANNELS_LAST_RANKS
                 and not (outs[0].type.rank == 5 and self._reduced())):
             return [self.channels_last(call, ins, outs[0], label, remake, source)]
@@ -235,12 +261,18 @@ class CpuPartitioner(Partitioner):
         return PlanOp("view", [physical], [logical], f"%{logical.name} = NCHW view", view=view_fn, source=to_nchw)
 
     def layouts(self) -> None:
+        """Convolution chains stay channels-last (:meth:`channels_last_chains`); then the
+        foreign convolutions read their inputs as they are laid out (:func:`.conv_plan.finish`)."""
+        self.channels_last_chains()
+        finish(self, self.threads)
+
+    def channels_last_chains(self) -> None:
         """Keep convolution chains channels-last: a 4-d or 5-d kernel result (not a graph output) whose
         every reader is a channels-last convolution or another kernel is written NHWC
         (:func:`~kiln.backends.common.absorb.permute_result`); readers see the NCHW value as
         a view, which kernels absorb and convolutions take as it is.  No layout round trips
         between layers."""
-        if not any(op.step == "library" and op.call.channels_last for op in self.ops):
+        if not any(op.step in ("library", "foreign") and op.call.channels_last for op in self.ops):
             return
         escaping = {self.of[v].root().slot for v in self.graph.outputs}
         readers: dict[int, list[PlanOp]] = {}
@@ -256,7 +288,7 @@ class CpuPartitioner(Partitioner):
                 continue
             # A GEMM kernel's operand layout is fixed in its spec when it is planned, so its
             # operands must keep the layout they had then.
-            if not all((r.step == "kernel" and r.gemm is None) or (r.step == "library" and r.call.channels_last)
+            if not all((r.step == "kernel" and r.gemm is None) or (r.step in ("library", "foreign") and r.call.channels_last)
                        for r in readers[out.slot]):
                 continue
             if out.type.rank == 5 and any(r.step == "kernel" and r.template == "reduction" for r in readers[out.slot]):

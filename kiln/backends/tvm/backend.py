@@ -5,7 +5,8 @@ The build pipeline is the device-neutral one of :mod:`kiln.backends.common.build
 module fills its hooks (:class:`TvmBuild`):
 
 * implementations and the partition are the cpu backend's (:data:`kiln.backends.cpu.library.SELECTION`,
-  :class:`kiln.backends.cpu.partition.CpuPartitioner` without native GEMMs): library calls
+  :class:`kiln.backends.cpu.partition.CpuPartitioner` without native GEMMs or foreign
+  convolutions): library calls
   (MKL GEMMs, oneDNN convolutions, attention) with their epilogues as generated kernels
   by rule, generated kernels for everything else, ``select="generated"`` or ``"time"``
   as for every compiled backend;
@@ -149,7 +150,7 @@ class TvmBuild(BuildPipeline):
         return self.toolchain.target
 
     def partition(self, graph: Graph, choose: Callable[[Node], Choice]) -> GraphPlan:
-        return CpuPartitioner(graph, self.backend, None).run(choose)
+        return CpuPartitioner(graph, self.backend, None, foreign=False).run(choose)
 
     def code_options(self, plan: GraphPlan) -> dict[str, Any]:
         options = {"choices": plan.choices, "threads": self.threads, "schedules": self.schedules}
