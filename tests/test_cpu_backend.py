@@ -450,13 +450,16 @@ graph @layouts(%x: f32[3, 5, 7], %y: f32[3, 7, 4], %t: f32[3, 4, 7]) params(%w: 
 @pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("m, k, n", [(1, 1, 1), (3, 17, 1000), (17, 1000, 3), (1000, 3, 17), (100, 300, 33),
                                      (7, 260, 32), (13, 5, 48), (151, 64, 40), (23, 9, 32),
-                                     (300, 260, 33), (200, 64, 40)])
+                                     (300, 260, 33), (200, 64, 40), (2, 1000, 17), (4, 33, 1000), (3, 300, 65),
+                                     (1, 260, 4096)])
 def test_kiln_gemm_on_odd_shapes_and_layouts(m, k, n, packed, tmp_path):
     """kiln's own GEMM against float64, with A and B in both layouts and the edge tiles,
     several K slabs (K > 256) and M blocks (M > 96; M > 144 with AVX-512's 12-row
     micro-panels) exercised, with last micro-panels of 1, 3, 4, 5, 7 and 11 rows; with
     AVX-512, pairs of full panels (N = 32, 48) and a pair beside a partial panel (N = 33,
-    40, 1000); tall narrow products (M >= 192, N <= 1024) split by rows between threads."""
+    40, 1000); tall narrow products (M >= 192, N <= 1024) split by rows between threads;
+    products of at most 4 rows on the GEMV path, with groups of 1 to 4 panels and a
+    partial last panel."""
     from kiln.backends.cpu import microgemm, toolchain
     from kiln.runtime.cache import CompileCache
 

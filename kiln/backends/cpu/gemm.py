@@ -14,9 +14,11 @@ found by symbol: ``mkl`` (``sgemm_`` of ``libtorch_cpu``, 32-bit indices) and ``
 float32 GEMM (:mod:`.microgemm`, B read from 16-column panels; weights are packed once).
 Which is fastest depends on the CPU and the shape (on AMD Zen 2, kiln's GEMM runs the
 GEMMs of transformers ~1.5x faster than MKL; on one thread OpenBLAS beats MKL by ~30%,
-MKL wins on matrix-vector shapes), so :class:`GemmTuner` times the candidates once per
+MKL won on matrix-vector shapes until kiln's GEMM had its few-rows path, and on an AMD EPYC
+with AVX-512 loses there by 2-5x), so :class:`GemmTuner` times the candidates once per
 GEMM shape and machine and remembers the choice in ``gemm.json`` of the compile cache
-folder; GEMMs under :data:`TUNE_MIN_FLOPS` use MKL without timing.  With several threads only MKL is used: it
+folder; GEMMs under :data:`TUNE_MIN_FLOPS` use MKL without timing, except products of at
+most :data:`GEMV_MAX_M` rows, timed from :data:`GEMV_TUNE_MIN_FLOPS`.  With several threads only MKL is used: it
 shares the OpenMP thread pool of kiln's kernels, while OpenBLAS's own spinning pool fights
 them for the cores.  For a transposed weight (``x @ W.T`` of
 ``nn.Linear``) the tuner also times reading a contiguous copy of ``W.T`` (``packed_b``):
@@ -62,6 +64,10 @@ KILN_PROVIDER = "kiln"
 _INDEX = {"mkl": ("int", ctypes.c_int), "openblas": ("long", ctypes.c_long)}
 TUNE_MIN_FLOPS = 4e6
 """GEMMs with fewer flops use MKL without timing (its small-shape paths are the faster)."""
+GEMV_MAX_M, GEMV_TUNE_MIN_FLOPS = 4, 2e5
+"""Products of at most ``GEMV_MAX_M`` rows are bound by reading B and timed from
+``GEMV_TUNE_MIN_FLOPS`` (kiln's GEMV path against MKL's: a classifier head's ``1 x 576 @
+576 x 1024`` took 45 us on MKL and 22 on kiln on a 2-vCPU AMD EPYC)."""
 PARALLEL_BATCH_MAX_FLOPS = 16e6
 """With several threads, a batch of GEMMs with at most this many flops each (attention's
 ``(heads, seq, d) @ (heads, d, seq)``) runs its entries in parallel, one thread each: a
@@ -336,7 +342,8 @@ class GemmTuner:
         if not candidates:
             raise ValueError("kiln GEMM: no BLAS library and no kiln GEMM for this dtype")
         default = next(iter(candidates))
-        if spec.flops < TUNE_MIN_FLOPS or len(candidates) == 1:
+        floor = GEMV_TUNE_MIN_FLOPS if isinstance(spec.m, int) and spec.m <= GEMV_MAX_M else TUNE_MIN_FLOPS
+        if spec.flops < floor or len(candidates) == 1:
             return candidates[default]
         fields = asdict(replace(spec, provider="", batch=(), a_strides=(), b_strides=()))
         key = (f"v2|{self.machine}|threads={self.threads}|packable={packable}|kiln={_MICRO_VERSION}|"
@@ -439,6 +446,6 @@ def size_c_expr(e, order: dict[str, int]) -> str:
     raise ValueError(f"size expression {e} has no C form here")
 
 
-__all__ = ["KILN_PROVIDER", "PARALLEL_BATCH_MAX_FLOPS", "PROVIDERS", "TUNE_MIN_FLOPS", "TUNE_SECONDS", "BlasProvider",
+__all__ = ["GEMV_MAX_M", "GEMV_TUNE_MIN_FLOPS", "KILN_PROVIDER", "PARALLEL_BATCH_MAX_FLOPS", "PROVIDERS", "TUNE_MIN_FLOPS", "TUNE_SECONDS", "BlasProvider",
            "GemmSpec", "GemmTuner", "Operand", "blas_prelude",
            "blas_providers", "blas_symbols", "gemm_function", "gemm_spec", "set_blas_threads"]
