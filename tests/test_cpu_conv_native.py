@@ -245,3 +245,19 @@ def test_the_absorbing_call_from_python_folds_again_only_when_a_tensor_changed()
             else:
                 call(x, conv.weight, conv.bias, *stats, r)
                 assert call._folded[2] is folded  # unchanged tensors: the same fold
+
+
+def test_a_channels_last_model_reads_its_weights_in_their_layout(monkeypatch):
+    """``model.to(memory_format=torch.channels_last)`` makes the weights channels-last too:
+    the packs read them as they are laid out (no contiguous copy of any argument but the
+    input is planned for them)."""
+    monkeypatch.setenv(ENV_VAR, "1")
+    torch.manual_seed(7)
+    model = Net(nn.Hardswish).eval().to(memory_format=torch.channels_last)
+    x = torch.randn(2, 3, 33, 31).contiguous(memory_format=torch.channels_last)
+    with torch.no_grad():
+        compiled = _compile(model, x)
+        assert _rel(compiled(x), model(x)) <= 1e-4
+    assert compiled.executable.info["foreign_kernels"] == 11
+    contiguous = [op for op in compiled.executable.plan.steps if type(op).__name__ == "ContiguousStep"]
+    assert sum(len(op.slots) for op in contiguous) <= 2  # the input (and the head's bias)

@@ -99,3 +99,30 @@ def test_prepared_tensors_are_written_again_only_when_a_source_changes():
     c = torch.randn(3)  # another tensor
     torch.testing.assert_close(plan([c, b])[0], c * b)
     assert len(writes) == 3
+    a.data = torch.randn(3)  # the same tensor object on new storage
+    torch.testing.assert_close(plan([a, b])[0], a * b)
+    assert len(writes) == 4
+    plan([a, b])
+    assert len(writes) == 4
+
+
+def test_only_the_parts_whose_sources_changed_are_written_again():
+    writes = []
+
+    def write(sources, targets):
+        writes.append(len(sources))
+        targets[0].copy_(sources[0] + 1)
+
+    a, b = torch.randn(3), torch.randn(3)
+    parts = (((0,), (2,), write, "a + 1"), ((1,), (3,), write, "b + 1"))
+    plan = CallPlan(num_slots=4, num_args=2, constants={},
+                    planned=[SlotSpec(2, (3,), torch.float32, persistent=True),
+                             SlotSpec(3, (3,), torch.float32, persistent=True)],
+                    arena_bytes=0, steps=[PrepareStep(parts)], outputs=[2, 3])
+    plan([a, b])
+    assert len(writes) == 2
+    b.add_(1.0)
+    got = plan([a, b])
+    torch.testing.assert_close(got[1], b + 1)
+    torch.testing.assert_close(got[0], a + 1)
+    assert len(writes) == 3  # a's part was not written again

@@ -258,17 +258,33 @@ class PrepareStep:
     def bind(self, static: set[int], template: Slots) -> BoundCall:
         bound = [(sources, [template[t] for t in targets], write, [None, None])
                  for sources, targets, write, _ in self.parts]
+        every = tuple(dict.fromkeys(s for sources, _, _, _ in self.parts for s in sources))
+        seen: list = [None, None, None]  # every source tensor, its version and address at the last check
 
         def call(slots: Slots) -> None:
-            for sources, targets, write, last in bound:
-                tensors = [slots[s] for s in sources]
+            # the common case first: every source at the version and address of the last check
+            # (two passes over the tensors, no per-part keys: 170 tensors in a MobileNet, half
+            # the time of the parts' keys)
+            tensors = [slots[s] for s in every]
+            if seen[0] is not None:
                 try:
-                    key: object = tuple((t.data_ptr(), t._version) for t in tensors)
+                    if [t._version for t in tensors] == seen[1] and [t.data_ptr() for t in tensors] == seen[2]:
+                        return
+                except RuntimeError:  # an inference tensor: no version counter
+                    pass
+            for sources, targets, write, last in bound:
+                part = [slots[s] for s in sources]
+                try:
+                    key: object = tuple((t.data_ptr(), t._version) for t in part)
                 except RuntimeError:  # inference tensors have no version counter: always write
                     key = None
                 if key is None or key != last[0]:
-                    write(tensors, targets)
-                    last[0], last[1] = key, tensors  # the tensors kept: a freed one's address is soon reused
+                    write(part, targets)
+                    last[0], last[1] = key, part  # the tensors kept: a freed one's address is soon reused
+            try:  # the tensors kept, like the parts' (a freed tensor's address is soon reused)
+                seen[:] = tensors, [t._version for t in tensors], [t.data_ptr() for t in tensors]
+            except RuntimeError:
+                seen[0] = None
         return call
 
 

@@ -334,7 +334,9 @@ class Partitioner:
         copies: dict[int, PlanValue] = {}
         roots_read: set[int] = set()
         for op in self.ops:
-            if op.step in ("pack", "foreign"):  # read through the roots' predicted layouts
+            if op.step == "foreign" or (op.step == "pack" and op.call is None):
+                # read through the roots' predicted layouts (a pack with a call reads its
+                # sources as torch tensors, whatever their layout)
                 roots_read.update(pv.root().slot for pv in op.inputs)
             if op.step == "kernel":
                 absorb_views(op)
