@@ -75,11 +75,17 @@ class KilnConvCall:
         folded = self._folded
         if folded is not None and key is not None and folded[0] == key:
             return folded[2], folded[3]
-        with torch.no_grad():
-            weight, bias = fold_batch_norm(w.detach(), None if b is None else b.detach(), *[t.detach() for t in stats],
-                                           self.eps)
+        weight, bias = self._fold(w, b, stats)
         self._folded = (key, sources, weight, bias)  # the sources kept: see version_key
         return weight, bias
+
+    def _fold(self, w: torch.Tensor, b: torch.Tensor | None, stats: list) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The float32 weight and bias with the batch norm (when there is one) folded in, now."""
+        with torch.no_grad():
+            w, b = w.detach().float(), None if b is None else b.detach().float()
+            if self.eps is None:
+                return w, b
+            return fold_batch_norm(w, b, *[t.detach() for t in stats], self.eps)
 
     def __call__(self, *ins: torch.Tensor) -> torch.Tensor:
         x, w, b, stats, r = self.operands(list(ins))
@@ -90,12 +96,8 @@ class KilnConvCall:
         """Write the packed weight (``targets[0]``) and the bias (``targets[1]``, when there
         is one) of the weight operands ``sources`` (``w, [b], [gamma, beta, mean, var]``)."""
         _, w, b, stats, _ = self.operands([None, *sources, *([None] if self.residual else [])])
+        weight, bias = self._fold(w, b, stats)
         with torch.no_grad():
-            if self.eps is None:
-                weight, bias = w.detach().float(), None if b is None else b.detach().float()
-            else:
-                weight, bias = fold_batch_norm(w.detach().float(), None if b is None else b.detach().float(),
-                                               *[t.detach() for t in stats], self.eps)
             self.conv.pack_weight_into(weight, targets[0])
             if bias is not None:
                 targets[1].copy_(bias)
