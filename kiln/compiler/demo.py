@@ -110,8 +110,8 @@ class DemoRouter(nn.Module):
 NOTES = {
     "mlp": "GEMMs on kiln's tuned micro-kernel, bias and GELU fused into one pass",
     "transformer block": "fused elementwise/normalization kernels around the GEMMs",
-    "conv net": "kiln's depthwise and 1x1 kernels vs oneDNN, chosen per shape; batch norm and hardswish "
-                "in one epilogue pass each (results this small do not fold the norm into the weights)",
+    "conv net": "kiln's depthwise and 1x1 kernels vs oneDNN, chosen per shape; batch norm folded into the "
+                "weights, hardswish and residual adds in the kernels' tile stores",
     "moe router": "top-2 of 64 as a partial selection (a torch.topk library call) beside the softmax kernel; "
                   "at this size the calls' overhead dominates",
 }
@@ -209,7 +209,7 @@ def _print_table(rows: Sequence[dict[str, Any]], backend: str, runs: int, out: A
         print(f"kiln is slower than eager here on: {', '.join(behind)}." if behind else
               "kiln is not slower than eager on these models on this machine.", file=out)
         print("Against ONNX Runtime kiln still loses on several models (ResNet-18, MobileNet-style nets, "
-              "small MLPs): see docs/benchmarks.md for the measured tables.", file=out)
+              "ViT): see docs/benchmarks.md for the measured tables.", file=out)
     fallback = [r["model"] for r in rows if r["torch_ops"]]
     if fallback:
         print(f"Ops kiln does not support ran in PyTorch for: {', '.join(fallback)}.", file=out)

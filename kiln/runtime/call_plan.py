@@ -184,15 +184,18 @@ class CallPlan:
         for slot, tensor in self.constants.items():
             template[slot] = tensor
             static.add(slot)
-        for spec in self.persistent_specs:
-            if persistent is None:
-                template[spec.slot] = empty(spec.shape, spec.dtype)
-            else:
-                key = (spec.slot, spec.shape, spec.dtype)
-                if key not in persistent:
-                    persistent[key] = empty(spec.shape, spec.dtype)
-                template[spec.slot] = persistent[key]
-            static.add(spec.slot)
+        # persistent tensors get version counters even when the first call runs in inference
+        # mode: a pack reading one (a GEMM's panels of a weight's bf16 copy) sees its updates
+        with torch.inference_mode(False):
+            for spec in self.persistent_specs:
+                if persistent is None:
+                    template[spec.slot] = empty(spec.shape, spec.dtype)
+                else:
+                    key = (spec.slot, spec.shape, spec.dtype)
+                    if key not in persistent:
+                        persistent[key] = empty(spec.shape, spec.dtype)
+                    template[spec.slot] = persistent[key]
+                static.add(spec.slot)
         for spec in self.arena_specs:
             nbytes = _numel(spec.shape) * spec.dtype.itemsize
             raw = arena[spec.offset: spec.offset + nbytes]

@@ -55,7 +55,7 @@ from kiln.backends.common.partition import GraphPlan, PlanOp
 from kiln.backends.common.select import Choice
 from kiln.ir import Graph, Node
 from kiln.ir.sizes import graph_sizes
-from kiln.ir.types import SizeRange
+from kiln.ir.types import DType, SizeRange
 from kiln.runtime.cache import CompileCache
 from kiln.runtime.call_plan import HostLauncher, Step, TorchStep
 
@@ -211,6 +211,9 @@ class CpuBuild(BuildPipeline):
                                       ctypes.c_void_p(provider.dgemm))
             if self.tuner.micro is not None:
                 lib.kiln_set_mgemm(ctypes.c_void_p(self.tuner.micro.address))
+                if any(op.gemm.dtype == DType.bfloat16 for op in plan.kernels if op.gemm is not None):
+                    bf16 = self.tuner.micro.bf16
+                    lib.kiln_set_mgemm_bf16(ctypes.c_void_p(bf16.address if bf16 is not None else None))
         lib.kiln_run.argtypes = [ctypes.POINTER(ctypes.c_long), ctypes.c_long, ctypes.POINTER(ctypes.c_void_p)]
         lib.kiln_run.restype = None
         lib.kiln_add_kernel.argtypes, lib.kiln_add_kernel.restype = [ctypes.c_void_p], ctypes.c_long

@@ -12,6 +12,8 @@ Providers are the BLAS libraries torch and numpy bring along (:func:`blas_provid
 found by symbol: ``mkl`` (``sgemm_`` of ``libtorch_cpu``, 32-bit indices) and ``openblas``
 (``scipy_sgemm_64_`` of numpy's bundled OpenBLAS, 64-bit indices); and ``kiln``, kiln's own
 float32 GEMM (:mod:`.microgemm`, B read from 16-column panels; weights are packed once).
+bfloat16 GEMMs have one provider, kiln's bf16 GEMM (B in pair panels), where the CPU has
+AVX-512 BF16; elsewhere a bf16 matmul is no GEMM kernel here (a library call, torch's).
 Which is fastest depends on the CPU and the shape (on AMD Zen 2, kiln's GEMM runs the
 GEMMs of transformers ~1.5x faster than MKL; on one thread OpenBLAS beats MKL by ~30%,
 MKL won on matrix-vector shapes until kiln's GEMM had its few-rows path, and on an AMD EPYC
@@ -57,6 +59,8 @@ _MICRO_VERSION = hashlib.sha256(_MICRO_SOURCE.encode()).hexdigest()[:12]
 """A digest of kiln's GEMM source, part of every stored choice's key: a changed kernel is timed again."""
 
 _CTYPE = {DType.float32: "float", DType.float64: "double"}
+_KILN_CTYPE = {DType.bfloat16: "unsigned short"}
+"""Dtypes only kiln's own GEMM runs (no BLAS routine): their C element type (the bits)."""
 PROVIDERS = ("mkl", "openblas")
 """BLAS providers (see :func:`blas_providers`)."""
 KILN_PROVIDER = "kiln"
@@ -95,6 +99,10 @@ def blas_prelude() -> str:
                  "long, int, float *, long);")
     lines.append("static kiln_mgemm_fn kiln_mgemm;")
     lines.append("void kiln_set_mgemm(void *f) { kiln_mgemm = (kiln_mgemm_fn)f; }")
+    lines.append("typedef int (*kiln_mgemm_bf16_fn)(long, long, long, const unsigned short *, long, long, "
+                 "const unsigned short *, long, long, int, unsigned short *, long);")
+    lines.append("static kiln_mgemm_bf16_fn kiln_mgemm_bf16;")
+    lines.append("void kiln_set_mgemm_bf16(void *f) { kiln_mgemm_bf16 = (kiln_mgemm_bf16_fn)f; }")
     return "\n".join(lines) + "\n"
 
 
@@ -156,8 +164,8 @@ def _matrix(rows: int, cols: int, s_rows: int, s_cols: int, row_major: str, col_
 def gemm_spec(a: torch.Tensor, b: torch.Tensor, dtype: DType) -> GemmSpec | None:
     """The GEMM computing ``torch.matmul(a, b)`` for meta tensors ``a`` and ``b`` with their
     predicted strides (offsets are applied by the caller), or ``None`` when it is not one:
-    an operand is 1-d or has no unit stride, or the dtype has no BLAS routine."""
-    if dtype not in _CTYPE or a.dim() < 2 or b.dim() < 2:
+    an operand is 1-d or has no unit stride, or the dtype has no GEMM here (BLAS or kiln's)."""
+    if (dtype not in _CTYPE and dtype not in _KILN_CTYPE) or a.dim() < 2 or b.dim() < 2:
         return None
     m, k = a.shape[-2:]
     k2, n = b.shape[-2:]
@@ -198,7 +206,9 @@ def _merge_batch(spec: GemmSpec) -> GemmSpec:
 def gemm_function(name: str, spec: GemmSpec) -> str:
     """``static void name(const T *A, const T *B, T *C)`` running ``spec`` (with a symbolic
     M, ``m_expr``, a fourth parameter ``const long *S``: the kernel's size table)."""
-    ctype = _CTYPE[spec.dtype]
+    ctype = _CTYPE.get(spec.dtype) or _KILN_CTYPE[spec.dtype]
+    if spec.provider != KILN_PROVIDER and spec.dtype not in _CTYPE:
+        raise ValueError(f"a {spec.dtype.short} GEMM has no BLAS routine; only kiln's GEMM runs it")
     if spec.m_expr and spec.batch:
         raise ValueError("a GEMM with a symbolic M has no batch loop")
     size_param = ", const long *S" if spec.m_expr else ""
@@ -207,7 +217,8 @@ def gemm_function(name: str, spec: GemmSpec) -> str:
     if spec.provider == KILN_PROVIDER:
         am, ak = (spec.a.ld, 1) if spec.a.trans == "N" else (1, spec.a.ld)
         bk, bn = (0, 0) if spec.packed_b else (spec.b.ld, 1) if spec.b.trans == "N" else (1, spec.b.ld)
-        call = (f"kiln_mgemm({m_text}, {spec.n}L, {spec.k}L, A + a_off, {am}L, {ak}L, B + b_off, {bk}L, {bn}L, "
+        routine = "kiln_mgemm" if spec.dtype == DType.float32 else "kiln_mgemm_bf16"
+        call = (f"{routine}({m_text}, {spec.n}L, {spec.k}L, A + a_off, {am}L, {ak}L, B + b_off, {bk}L, {bn}L, "
                 f"{int(spec.packed_b)}, C + c_off, {max(spec.n, 1)}L);")
     else:
         index = _INDEX[spec.provider][0]
@@ -300,7 +311,8 @@ class GemmTuner:
 
     Choices persist in ``path`` (JSON, keyed by ``machine``, threads and the shape); with
     ``path=None`` they last as long as the tuner.  ``micro`` is kiln's own GEMM library
-    (:func:`kiln.backends.cpu.microgemm.library`), a candidate for float32 when given."""
+    (:func:`kiln.backends.cpu.microgemm.library`), a candidate for float32 when given, and
+    the only one for bfloat16 (when its bf16 GEMM is available)."""
 
     def __init__(self, path: Path | None, machine: str, threads: int, micro: MicroGemm | None = None):
         self.machine = machine
@@ -313,7 +325,7 @@ class GemmTuner:
         """Every way to run ``spec`` here, by name (``provider`` or ``provider+packed``);
         ``packable``: B is a weight (a 2-d argument), which may be read from a packed copy."""
         providers = blas_providers()
-        names = [name for name in PROVIDERS if name in providers]
+        names = [name for name in PROVIDERS if name in providers] if spec.dtype in _CTYPE else []
         if self.threads > 1 and "mkl" in names:
             # OpenBLAS keeps its own spinning thread pool; next to the OpenMP pool that
             # kiln's kernels and MKL share it makes the cores fight (measured: 2-5x slower
@@ -323,14 +335,24 @@ class GemmTuner:
         if packable and spec.b.trans == "T":  # BLAS reads a contiguous copy of a transposed weight
             packed = replace(spec, b=Operand("N", max(spec.n, 1)), packed_b=True)
             found.update({f"{name}+packed": replace(packed, provider=name) for name in names})
-        if self.micro is not None and spec.dtype == DType.float32:
+        if self.micro is not None and (spec.dtype == DType.float32
+                                       or (spec.dtype == DType.bfloat16 and self.micro.bf16 is not None)):
             found[KILN_PROVIDER] = replace(spec, provider=KILN_PROVIDER, packed_b=packable)
         return found
 
-    def choose(self, spec: GemmSpec, packable: bool = False) -> GemmSpec:
+    def supports(self, dtype: DType) -> bool:
+        """Whether GEMMs of ``dtype`` have a provider here."""
+        if dtype in _CTYPE:
+            return bool(blas_providers()) or (self.micro is not None and dtype == DType.float32)
+        return dtype == DType.bfloat16 and self.micro is not None and self.micro.bf16 is not None
+
+    def choose(self, spec: GemmSpec, packable: bool = False) -> GemmSpec | None:
         """``spec`` with its provider set (and ``packed_b`` when B, a weight if ``packable``, is
         read from a packed copy), the fastest of :meth:`candidates` for its shape; a batch of
-        small GEMMs split between the threads by entry (:data:`PARALLEL_BATCH_MAX_FLOPS`)."""
+        small GEMMs split between the threads by entry (:data:`PARALLEL_BATCH_MAX_FLOPS`).
+        ``None`` when no provider runs GEMMs of its dtype here (:meth:`supports`)."""
+        if not self.supports(spec.dtype):
+            return None
         chosen = self._provider(spec, packable)
         entries = math.prod(spec.batch)
         if self.threads > 1 and entries > 1 and not spec.m_expr and spec.flops / entries <= PARALLEL_BATCH_MAX_FLOPS:

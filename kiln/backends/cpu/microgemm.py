@@ -1,4 +1,4 @@
-"""kiln's own float32 GEMM: packed panels, a 6x16 (AVX2) or 12x32 (AVX-512) register micro-kernel, OpenMP.
+"""kiln's own float32 (and bfloat16) GEMM: packed panels, a 6x16 (AVX2) or 12x32 (AVX-512) register micro-kernel, OpenMP.
 
 ``C[M,N] = A[M,K] @ B[K,N]`` is computed the way high-performance BLAS libraries do it
 (Goto's algorithm), specialised for the shapes of inference (small M, weights known ahead):
@@ -41,6 +41,8 @@ with the 12x32 tiles (172-191 with 6x32 ones, 97-116 with the AVX2 ones) against
 for MKL; two threads 358-412 GFLOP/s against 313-400 for MKL (sgemm peak, MKL at 3072^3:
 ~439).
 
+**bfloat16** GEMMs have their own library on the same tiles, :mod:`.microgemm_bf16`.
+
 The C lives in one standalone shared object (:func:`library`), built once per compiler and
 machine by the cpu backend's C toolchain and kept in the artifact cache (addressed by its
 source and the compiler's identity); generated kernels call it through a function pointer
@@ -55,6 +57,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from typing import TYPE_CHECKING
 
 from kiln.backends.common.toolchain import build_cached
 from kiln.runtime.cache import CompileCache
@@ -62,13 +65,16 @@ from kiln.runtime.cache import CompileCache
 from . import toolchain
 from .packing import write_panels
 
+if TYPE_CHECKING:
+    from .microgemm_bf16 import Bf16Gemm
+
 NR = 16
 """Columns of a B panel (and of the micro-kernel's tile)."""
 MR = 6
 """Rows of an A micro-panel (and of the micro-kernel's tile) without AVX-512; 12 with it
 (``KMG_MR`` in the C, chosen by the compiler's target)."""
 
-SOURCE = r"""
+PRELUDE = r"""
 #include <stdlib.h>
 #include <string.h>
 #ifdef _OPENMP
@@ -118,7 +124,11 @@ SOURCE = r"""
 #else
 #define KMG_STEP 1
 #endif
+"""
+"""The includes and macros of kiln's GEMM sources: instruction sets, the tile's rows, blocks
+(:mod:`.microgemm_bf16` starts with them too)."""
 
+SOURCE = PRELUDE + r"""
 /* B[K,N] (element (k,n) at B[k*sk + n*sn]) into panels Bp[p][k][16], zero-padded. */
 void kiln_mgemm_pack_b(long K, long N, const float *B, long sk, long sn, float *Bp) {
   long panels = (N + KMG_NR - 1) / KMG_NR;
@@ -469,11 +479,23 @@ class MicroGemm:
 
     lib: ctypes.CDLL
     address: int
+    directory: str | None = None
+    """The artifact cache folder it was built in (``None``: not cached)."""
+    cc: str = ""
+    """The C compiler that built it."""
 
     def gemm(self, m: int, n: int, k: int, a: int, am: int, ak: int, b: int, bk: int, bn: int, packed: bool,
              c: int, ldc: int) -> None:
         """Run one GEMM on raw pointers (see ``kiln_mgemm_f32`` in :data:`SOURCE`)."""
         self.lib.kiln_mgemm_f32(m, n, k, a, am, ak, b, bk, bn, int(packed), c, ldc)
+
+    @property
+    def bf16(self) -> "Bf16Gemm | None":
+        """kiln's bf16 GEMM (:mod:`.microgemm_bf16`), built by the same compiler on first use;
+        ``None`` where the CPU lacks AVX-512 BF16 or it does not build."""
+        from .microgemm_bf16 import load  # noqa: PLC0415 (it builds on this module's prelude)
+
+        return load(self.directory, self.cc)
 
 
 def library(cache: CompileCache, cc: str) -> MicroGemm | None:
@@ -482,20 +504,31 @@ def library(cache: CompileCache, cc: str) -> MicroGemm | None:
     return _load(str(cache.directory) if cache.enabled else None, cc)
 
 
-@functools.lru_cache(maxsize=8)
-def _load(directory: str | None, cc: str) -> MicroGemm | None:
+def load_gemm(directory: str | None, cc: str, source: str, symbol: str) -> tuple[ctypes.CDLL, int] | None:
+    """Build (or find in the cache folder ``directory``) the GEMM library ``source`` with the
+    cpu toolchain of ``cc`` and load it: the library and the address of its entry ``symbol``
+    (the signature of ``kiln_mgemm_f32``, element types aside), or ``None`` when it does not
+    build or load."""
     cache = CompileCache(directory, enabled=directory is not None)
     try:
-        entry = build_cached(toolchain.cpu_compiler(cc), SOURCE, cache, manifest={"kernels": []})
+        entry = build_cached(toolchain.cpu_compiler(cc or None), source, cache, manifest={"kernels": []})
         lib = ctypes.CDLL(str(Path(entry.library)))
     except (OSError, toolchain.CompileError):
         return None
-    fn = lib.kiln_mgemm_f32
+    fn = getattr(lib, symbol, None)
+    if fn is None:
+        return None
     fn.argtypes = [ctypes.c_long] * 3 + [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p,
                                          ctypes.c_long, ctypes.c_long, ctypes.c_int, ctypes.c_void_p, ctypes.c_long]
     fn.restype = ctypes.c_int
     address = ctypes.cast(fn, ctypes.c_void_p).value
-    return MicroGemm(lib, int(address)) if address else None
+    return (lib, int(address)) if address else None
 
 
-__all__ = ["MR", "NR", "SOURCE", "MicroGemm", "library", "pack_panels", "packed_shape", "panel_count"]
+@functools.lru_cache(maxsize=8)
+def _load(directory: str | None, cc: str) -> MicroGemm | None:
+    found = load_gemm(directory, cc, SOURCE, "kiln_mgemm_f32")
+    return None if found is None else MicroGemm(*found, directory, cc)
+
+
+__all__ = ["MR", "NR", "PRELUDE", "SOURCE", "MicroGemm", "library", "load_gemm", "pack_panels", "packed_shape", "panel_count"]

@@ -30,14 +30,16 @@ from kiln.backends.common.dynamic import size_names, typical_sizes
 from kiln.backends.common.select import Choice
 from kiln.ir.loops.expr import size_expr
 from kiln.ir import Graph, Node, Value
+from kiln.ir.types import DType
 
 from .gemm import KILN_PROVIDER, GemmSpec, gemm_spec, size_c_expr
 from .library import conv_call, library_call, reference_call
 from .conv_plan import KilnConvCall, conv_epilogue, finish, plan_foreign, with_activation
 from .packed_conv import BatchNormFolded, PackedConv
 from .microgemm import packed_shape
+from .microgemm_bf16 import packed_shape_bf16
 
-GemmChooser = Callable[[GemmSpec, bool], GemmSpec]
+GemmChooser = Callable[[GemmSpec, bool], "GemmSpec | None"]
 """``choose(spec, packable)``: ``spec`` with its provider (and weight packing) set."""
 
 
@@ -63,6 +65,8 @@ class CpuPartitioner(Partitioner):
         self.gemm_provider = gemm
         self.tune_sizes = tune_sizes
         """Sizes at which GEMMs with a symbolic M are tuned (default: the scheduling sizes)."""
+        self.cast_of: dict[int, PlanValue] = {}
+        """The parameter (view) each persistent converted copy of a parameter is made from."""
         self._planning: Node | None = None
         """The graph node being planned (see :meth:`_reduced`)."""
         self._reduction_inputs: set[Value] | None = None
@@ -97,12 +101,21 @@ class CpuPartitioner(Partitioner):
             # M is read at run time; the provider is timed at the typical M (the scheduling sizes)
             order = {name: i for i, name in enumerate(names)}
             spec = replace(spec, m=m.evaluate(typical), m_expr=size_c_expr(size_expr(m.expr), order))
-        root = b.root()  # a weight that stays the same from call to call
-        packable = root.slot in self.param_slots and root.name not in self.updated and b.type.rank == 2 and not spec.batch
-        spec = self.gemm_provider(spec, packable)
+        root = b.root()  # a weight that stays the same from call to call, or a prepared copy of one
+        if root.slot in self.cast_of:  # a bf16/f16 copy of a weight (parameter casts, below)
+            root = self.cast_of[root.slot].root()
+        weight = root.slot in self.param_slots and root.name not in self.updated
+        packable = weight and b.type.rank == 2 and not spec.batch
+        chosen = self.gemm_provider(spec, packable)
+        if chosen is None:
+            return None  # no GEMM of this dtype here: a library call
+        spec = chosen
         if not spec.packed_b:
             return spec, b
-        if spec.provider == KILN_PROVIDER:  # 16-column panels (kiln.backends.cpu.microgemm)
+        if spec.provider == KILN_PROVIDER and spec.dtype == DType.bfloat16:  # pair panels (.microgemm)
+            packed_type = b.type.with_shape(packed_shape_bf16(spec.k, spec.n))
+            label = f"pair panels of %{b.name}"
+        elif spec.provider == KILN_PROVIDER:  # 16-column panels (kiln.backends.cpu.microgemm)
             packed_type = b.type.with_shape(packed_shape(spec.k, spec.n))
             label = f"panels of %{b.name}"
         else:
@@ -150,6 +163,7 @@ class CpuPartitioner(Partitioner):
                 out = node.outputs[0]
                 packed = self.new(out.type, out.name + ".packed", "packed")
                 self.of[out] = packed
+                self.cast_of[packed.slot] = source
                 self.ops.append(PlanOp("pack", [source], [packed], f"%{out.name} = {out.dtype.short} copy of "
                                                                     f"%{source.name}"))
                 return

@@ -1,0 +1,184 @@
+"""kiln's bfloat16 GEMM (kiln/backends/cpu/microgemm_bf16.py, ``kiln_mgemm_bf16``): the kernel at
+odd sizes against float32 products of the same bf16 operands, the pair-panel layout, and
+models in bf16 (``amp="bf16"`` and ``model.to(torch.bfloat16)``) whose matmuls run on it.
+
+The kernel needs AVX-512 BF16; on other CPUs bf16 matmuls are library calls, which the
+model tests check instead (they run everywhere)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kiln
+from kiln.backends.cpu import toolchain
+from kiln.backends.cpu.microgemm import library
+from kiln.backends.cpu.microgemm_bf16 import pack_pairs, packed_shape_bf16
+from kiln.backends.cpu.packing import write_pairs
+from kiln.runtime.cache import CompileCache
+
+
+@pytest.fixture(scope="module")
+def micro():
+    lib = library(CompileCache(None, enabled=False), toolchain.cpu_compiler().cc)
+    if lib is None:
+        pytest.skip("no C compiler: kiln's GEMM library did not build")
+    return lib
+
+
+def _native(micro) -> bool:
+    return micro.bf16 is not None
+
+
+def _close_bf16(out: torch.Tensor, ref: torch.Tensor, what: str) -> None:
+    """``out`` (bf16) against the float32 ``ref``: within a few bf16 roundings of the largest
+    value (a wrong element, a dropped k or panel is off by far more)."""
+    scale = max(ref.abs().max().item(), 1e-6)
+    err = (out.float() - ref).abs().max().item() / scale
+    assert err <= 1.2e-2, f"{what}: max error {err:.3g} of the largest |value|"
+
+
+SIZES = [(1, 1, 1), (3, 17, 5), (17, 1000, 3), (1, 1000, 1000), (13, 33, 257), (25, 48, 513), (100, 31, 600),
+         (1000, 17, 3), (3, 1, 1000)]
+
+
+@pytest.mark.parametrize("m,n,k", SIZES)
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("transposed", [False, True])
+def test_the_bf16_kernel_at_odd_sizes_matches_float32_products(micro, m, n, k, packed, transposed):
+    if not _native(micro):
+        pytest.skip("this CPU has no AVX-512 BF16: kiln's bf16 GEMM is not offered")
+    g = torch.Generator().manual_seed(m * 10007 + n * 101 + k)
+    a = torch.randn(m, k, generator=g).bfloat16()
+    b = torch.randn(n, k, generator=g).bfloat16().T if transposed else torch.randn(k, n, generator=g).bfloat16()
+    c = torch.full((m, n), float("nan"), dtype=torch.bfloat16)
+    if packed:
+        bp = torch.empty(packed_shape_bf16(k, n), dtype=torch.bfloat16)
+        pack_pairs(b, bp)
+        rc = micro.bf16.gemm(m, n, k, a.data_ptr(), a.stride(0), a.stride(1), bp.data_ptr(), 0, 0, True,
+                             c.data_ptr(), n)
+    else:
+        rc = micro.bf16.gemm(m, n, k, a.data_ptr(), a.stride(0), a.stride(1), b.data_ptr(), b.stride(0),
+                             b.stride(1), False, c.data_ptr(), n)
+    assert rc == 0
+    assert not c.isnan().any(), "some results were never written"
+    _close_bf16(c, a.float() @ b.float(), f"{m}x{k} @ {k}x{n}")
+
+
+def test_a_strided_left_operand_and_a_wider_result_row(micro):
+    """A read through strides (a transposed view) and C rows longer than N (``ldc``)."""
+    if not _native(micro):
+        pytest.skip("this CPU has no AVX-512 BF16")
+    a = torch.randn(300, 7).bfloat16().T  # 7 x 300, column-major
+    b = torch.randn(300, 40).bfloat16()
+    c = torch.zeros(7, 64, dtype=torch.bfloat16)
+    assert micro.bf16.gemm(7, 40, 300, a.data_ptr(), a.stride(0), a.stride(1), b.data_ptr(), b.stride(0),
+                           b.stride(1), False, c.data_ptr(), 64) == 0
+    _close_bf16(c[:, :40], a.float() @ b.float(), "strided A")
+    assert (c[:, 40:] == 0).all(), "columns past N were written"
+
+
+@pytest.mark.parametrize("k,n", [(1, 1), (5, 17), (32, 16), (7, 33)])
+def test_pair_panels_hold_each_value_at_its_place(k, n):
+    b = torch.arange(k * n, dtype=torch.float32).reshape(k, n) + 1
+    out = torch.full(packed_shape_bf16(k, n), -1.0, dtype=torch.bfloat16)
+    write_pairs(b, out)
+    expect = torch.zeros(out.shape)
+    for kk in range(k):
+        for nn in range(n):
+            expect[nn // 16, kk // 2, 2 * (nn % 16) + kk % 2] = b[kk, nn]
+    assert torch.equal(out.float(), expect.bfloat16().float())
+
+
+class _Mlp(torch.nn.Module):
+    def __init__(self, d: int = 96, hidden: int = 200):
+        super().__init__()
+        self.up = torch.nn.Linear(d, hidden)
+        self.down = torch.nn.Linear(hidden, d, bias=False)
+        self.scale = torch.nn.Parameter(torch.randn(d, d) * 0.1)
+
+    def forward(self, x):
+        h = torch.nn.functional.gelu(self.up(x))
+        return self.down(h) + x @ self.scale  # a transposed weight, and a plain one
+
+
+def _providers(compiled) -> list[str]:
+    return compiled.executable.info["gemm_providers"]
+
+
+def test_amp_bf16_matmuls_run_on_kilns_kernel_and_match_eager(micro):
+    torch.manual_seed(0)
+    model = _Mlp().eval()
+    x = torch.randn(37, 96)
+    with torch.no_grad():
+        ref = model(x)
+    compiled = kiln.compile(model, (x,), amp="bf16", cache=False)
+    with torch.no_grad():
+        out = compiled(x)
+    assert out.dtype == torch.float32
+    scale = ref.abs().max().item()
+    assert (out - ref).abs().max().item() / scale < 3e-2
+    if _native(micro):
+        assert _providers(compiled) == ["kiln+packed"] * 3
+        assert compiled.executable.info["library_calls"] == 0
+    else:
+        assert not _providers(compiled)
+
+
+@pytest.mark.parametrize("inference", [False, True])
+def test_packed_bf16_weights_follow_in_place_updates(micro, inference):
+    """The weights' bf16 copies and their pair panels are made again when a parameter changes,
+    also when the first call runs in inference mode."""
+    torch.manual_seed(1)
+    model = _Mlp(32, 48).eval()
+    x = torch.randn(5, 32)
+    compiled = kiln.compile(model, (x,), amp="bf16", cache=False)
+    mode = torch.inference_mode if inference else torch.no_grad
+    for step in range(3):
+        with mode():
+            out = compiled(x)
+        with torch.no_grad():
+            ref = model(x)
+        assert (out - ref).abs().max().item() / ref.abs().max().item() < 3e-2, f"step {step}"
+        with torch.no_grad():
+            model.up.weight.mul_(-1.5)
+            model.scale.add_(0.25)
+
+
+def test_a_bf16_model_with_batched_products(micro):
+    """``model.to(torch.bfloat16)``: the weights are bf16 parameters; batched products of
+    activations read a B that changes every call (packed in scratch by the kernel)."""
+    torch.manual_seed(2)
+
+    class Gram(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(64, 40)
+
+        def forward(self, x):
+            h = torch.tanh(self.lin(x))
+            g = h @ h.transpose(-1, -2) * 0.1  # [b, s, s]
+            return g @ h  # [b, s, 40]
+
+    model = Gram().eval().to(torch.bfloat16)
+    x = torch.randn(3, 19, 64).bfloat16()
+    with torch.no_grad():
+        ref = model.float()(x.float())
+        model.to(torch.bfloat16)
+    compiled = kiln.compile(model, (x,), cache=False)
+    with torch.no_grad():
+        out = compiled(x)
+    assert out.dtype == torch.bfloat16
+    _close_bf16(out, ref, "bf16 batched products")
+    if _native(micro):
+        assert sorted(_providers(compiled)) == ["kiln", "kiln", "kiln+packed"]
+
+
+def test_float16_models_still_compile_and_match(micro):
+    torch.manual_seed(3)
+    model = _Mlp(16, 24).eval().to(torch.float16)
+    x = torch.randn(4, 16).half()
+    compiled = kiln.compile(model, (x,), cache=False)
+    with torch.no_grad():
+        out, ref = compiled(x), model.float()(x.float())
+    assert (out.float() - ref).abs().max().item() / ref.abs().max().item() < 1e-2
