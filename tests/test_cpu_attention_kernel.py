@@ -196,3 +196,66 @@ def test_compiled_graph_runs_kiln_attention(monkeypatch, causal, masked):
             got = kiln.compile(model, args, backend=backend)(*args)
             assert _rel(got, want) <= 1e-4, backend
     assert calls, "the cpu executable did not call kiln's attention kernel"
+
+
+def test_choice_is_timed_on_the_layout_the_graph_passes(monkeypatch):
+    # a transformer's q, k, v are views of one projection: the two kernels are timed on
+    # operands with those strides, and the layout is part of the remembered choice's key
+    seen = []
+
+    def record(signature, kiln_run, library_run):
+        seen.append(signature)
+        kiln_run()
+        library_run()
+        return "kiln"
+
+    monkeypatch.setattr(attention_module._CHOOSER, "choose", record)
+    node = _sdpa_node(shape=(1, 3, 17, 8), causal=False)
+    strides = [(3 * 17 * 3 * 8, 8, 3 * 3 * 8, 1)] * 3  # [B, L, 3, H, E] permuted to [B, H, L, E]
+    made = []
+    original = attention_module._random_like
+    monkeypatch.setattr(attention_module, "_random_like",
+                        lambda n, s: made.append(original(n, s)) or made[-1])
+    assert attention_call(node, strides=strides).label.startswith("kiln fused attention")
+    assert [t.stride() for t in made[0]] == strides
+    assert "strides=" in seen[0]
+    attention_call(node)
+    assert "strides=" not in seen[1] and all(t.is_contiguous() for t in made[1])
+
+
+class Projected(nn.Module):
+    """ViT-style attention: q, k, v are strided views of one projection."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(48, 144)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = self.qkv(x).reshape(b, t, 3, 3, 16).permute(2, 0, 3, 1, 4)
+        return F.scaled_dot_product_attention(q, k, v)
+
+
+def test_compiled_graph_passes_the_views_strides_to_the_choice(monkeypatch):
+    signatures = []
+    original = attention_module._CHOOSER.choose
+    monkeypatch.setattr(attention_module._CHOOSER, "choose",
+                        lambda sig, k, l: signatures.append(sig) or original(sig, k, l))
+    monkeypatch.setenv(ENV_VAR, "1")
+    torch.manual_seed(0)
+    model = Projected().eval()
+    x = torch.randn(2, 19, 48)
+    with torch.no_grad():
+        got = kiln.compile(model, (x,), backend="cpu")(x)
+        assert _rel(got, model(x)) <= 1e-4
+    # q of [2, 19, 3, 3, 16] permuted: head stride 16, row stride 144, batch stride 19 * 144
+    assert signatures and f"{(19 * 144, 16, 144, 1)}" in signatures[0]
+
+
+@pytest.mark.parametrize("L,S,E", [(1000, 1000, 64), (3, 17, 64), (200, 70, 80)])
+def test_shared_packing_buffer_grows_and_shrinks_between_calls(L, S, E):
+    # the packed keys and values live in a buffer kept between calls: a larger call after a
+    # smaller one (and back) must not read stale or short memory
+    _check(*_qkv(1, 2, 17, 17, 8, 8, seed=10))
+    _check(*_qkv(2, 3, L, S, E, E, seed=11), causal=L == S)
+    _check(*_qkv(1, 1, 5, 9, 8, 24, seed=12))

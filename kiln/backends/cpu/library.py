@@ -297,13 +297,24 @@ def library_name(node: Node) -> str | None:
     return name
 
 
-def library_call(node: Node, persistent: Sequence[bool] = ()) -> LibraryCall:
+STRIDED = frozenset({"scaled_dot_product_attention"})
+"""Ops whose library-call builder also takes the operands' element strides (``strides=``):
+it times its candidates on operands laid out as the compiled graph will pass them (the
+attention of a transformer reads views of one projection, whose costs differ from those of
+contiguous tensors)."""
+
+
+def library_call(node: Node, persistent: Sequence[bool] = (),
+                 strides: Sequence[tuple[int, ...] | None] | None = None) -> LibraryCall:
     """The library call of ``node`` (see :func:`library_name`).  ``persistent[i]`` says that
     operand ``i`` is the same tensor at every call (a parameter of the compiled graph), so a
-    call may keep a prepared copy of it between calls; other operands are new each call."""
+    call may keep a prepared copy of it between calls; other operands are new each call.
+    ``strides[i]``, where known, are operand ``i``'s element strides (see :data:`STRIDED`)."""
     name = library_name(node)
     if name is None:
         raise KeyError(f"op '{node.op_name}' has no library implementation in the cpu backend")
+    if name in STRIDED and strides is not None:
+        return LIBRARY[name](node, persistent, strides=strides)
     return LIBRARY[name](node, persistent)
 
 

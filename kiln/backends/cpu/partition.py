@@ -72,7 +72,9 @@ class CpuPartitioner(Partitioner):
         self._reduction_inputs: set[Value] | None = None
 
     def library_call(self, node: Node, persistent: list[bool]) -> LibraryCall:
-        return library_call(node, persistent)
+        planned = [self.of.get(v) for v in node.inputs]
+        strides = [None if pv is None or pv.meta is None else tuple(pv.meta.stride()) for pv in planned]
+        return library_call(node, persistent, strides)
 
     def host_call(self, node: Node) -> LibraryCall:
         return reference_call(node)

@@ -1,0 +1,542 @@
+"""The C source of kiln's fused CPU attention (:mod:`.attention` documents the algorithm):
+a portable kernel on 8-wide AVX2 tiles (scalar without AVX2) and, on CPUs with AVX-512, a
+kernel that keeps each panel's scores in registers (``ka_attention_512``), behind one entry,
+``kiln_attention_f32``."""
+
+from __future__ import annotations
+
+QUERY_TILE = 48
+"""Query rows per task (they share each transposed key block)."""
+KEY_BLOCK = 64
+"""Keys per block of the online softmax."""
+
+_PORTABLE_HEAD = r"""
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define KA_AVX2 1
+#endif
+#define KA_QT %(qt)d
+#define KA_BK %(bk)d
+
+static inline float ka_exp(float x) {
+  if (x < -87.0f) x = -87.0f;
+  if (x > 88.0f) x = 88.0f;
+  float fn = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  /* round to nearest */
+  int n = (int)fn;
+  float r = x - fn * 0.693359375f + fn * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  int bits = (n + 127) << 23;
+  float two;
+  memcpy(&two, &bits, sizeof two);
+  return p * two;
+}
+
+/* s[j] = exp(s[j] - m) for the KA_BK scores of a row; -inf (masked) gives exactly 0 */
+#ifdef KA_AVX2
+static inline __m256 ka_exp8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  x = _mm256_min_ps(x, _mm256_set1_ps(88.0f));
+  __m256 fn = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                              _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(fn, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(fn, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fn), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+static inline void ka_exp_row(float *s, float m) {
+  __m256 vm = _mm256_set1_ps(m), ninf = _mm256_set1_ps(-INFINITY);
+  for (int j = 0; j < KA_BK; j += 8) {
+    __m256 x = _mm256_loadu_ps(s + j);
+    __m256 e = ka_exp8(_mm256_sub_ps(x, vm));
+    _mm256_storeu_ps(s + j, _mm256_andnot_ps(_mm256_cmp_ps(x, ninf, _CMP_EQ_OQ), e));
+  }
+}
+#else
+static inline void ka_exp_row(float *s, float m) {
+  for (int j = 0; j < KA_BK; j++) s[j] = s[j] == -INFINITY ? 0.0f : ka_exp(s[j] - m);
+}
+#endif
+
+/* c[6][16] (row stride ldc) (+)= a[kc][6] @ b[kc][16] (row stride ldb) */
+#ifdef KA_AVX2
+static inline void ka_tile(long kc, const float *a, const float *b, long ldb, float *c, long ldc, int acc) {
+  __m256 c00, c01, c10, c11, c20, c21, c30, c31, c40, c41, c50, c51;
+  if (acc) {
+    c00 = _mm256_loadu_ps(c); c01 = _mm256_loadu_ps(c + 8);
+    c10 = _mm256_loadu_ps(c + ldc); c11 = _mm256_loadu_ps(c + ldc + 8);
+    c20 = _mm256_loadu_ps(c + 2 * ldc); c21 = _mm256_loadu_ps(c + 2 * ldc + 8);
+    c30 = _mm256_loadu_ps(c + 3 * ldc); c31 = _mm256_loadu_ps(c + 3 * ldc + 8);
+    c40 = _mm256_loadu_ps(c + 4 * ldc); c41 = _mm256_loadu_ps(c + 4 * ldc + 8);
+    c50 = _mm256_loadu_ps(c + 5 * ldc); c51 = _mm256_loadu_ps(c + 5 * ldc + 8);
+  } else {
+    c00 = c01 = c10 = c11 = c20 = c21 = c30 = c31 = c40 = c41 = c50 = c51 = _mm256_setzero_ps();
+  }
+  for (long k = 0; k < kc; k++) {
+    __m256 b0 = _mm256_loadu_ps(b), b1 = _mm256_loadu_ps(b + 8), x;
+    x = _mm256_broadcast_ss(a + 0); c00 = _mm256_fmadd_ps(x, b0, c00); c01 = _mm256_fmadd_ps(x, b1, c01);
+    x = _mm256_broadcast_ss(a + 1); c10 = _mm256_fmadd_ps(x, b0, c10); c11 = _mm256_fmadd_ps(x, b1, c11);
+    x = _mm256_broadcast_ss(a + 2); c20 = _mm256_fmadd_ps(x, b0, c20); c21 = _mm256_fmadd_ps(x, b1, c21);
+    x = _mm256_broadcast_ss(a + 3); c30 = _mm256_fmadd_ps(x, b0, c30); c31 = _mm256_fmadd_ps(x, b1, c31);
+    x = _mm256_broadcast_ss(a + 4); c40 = _mm256_fmadd_ps(x, b0, c40); c41 = _mm256_fmadd_ps(x, b1, c41);
+    x = _mm256_broadcast_ss(a + 5); c50 = _mm256_fmadd_ps(x, b0, c50); c51 = _mm256_fmadd_ps(x, b1, c51);
+    a += 6; b += ldb;
+  }
+  _mm256_storeu_ps(c, c00); _mm256_storeu_ps(c + 8, c01);
+  _mm256_storeu_ps(c + ldc, c10); _mm256_storeu_ps(c + ldc + 8, c11);
+  _mm256_storeu_ps(c + 2 * ldc, c20); _mm256_storeu_ps(c + 2 * ldc + 8, c21);
+  _mm256_storeu_ps(c + 3 * ldc, c30); _mm256_storeu_ps(c + 3 * ldc + 8, c31);
+  _mm256_storeu_ps(c + 4 * ldc, c40); _mm256_storeu_ps(c + 4 * ldc + 8, c41);
+  _mm256_storeu_ps(c + 5 * ldc, c50); _mm256_storeu_ps(c + 5 * ldc + 8, c51);
+}
+#else
+static inline void ka_tile(long kc, const float *a, const float *b, long ldb, float *c, long ldc, int acc) {
+  float t[6][16];
+  for (int r = 0; r < 6; r++) for (int j = 0; j < 16; j++) t[r][j] = acc ? c[r * ldc + j] : 0.0f;
+  for (long k = 0; k < kc; k++)
+    for (int r = 0; r < 6; r++) for (int j = 0; j < 16; j++) t[r][j] += a[k * 6 + r] * b[k * ldb + j];
+  for (int r = 0; r < 6; r++) for (int j = 0; j < 16; j++) c[r * ldc + j] = t[r][j];
+}
+#endif
+
+"""
+
+_AVX512 = r"""#if defined(__AVX512F__)
+/* ---------------------------------------------------------------- AVX-512 */
+/* The same computation on 16-wide vectors, with the scores of a panel of KA_PR query rows
+   and a block of KA_BK keys in registers: S = Q K^T is a 6 x 64 register tile (24
+   accumulators, Q broadcast in place, K transposed once per task), masked, scaled and
+   exponentiated there; only P is stored, row-major, and broadcast from memory into the
+   P @ V product, whose 6 x 64 output tile is loaded, rescaled, accumulated and stored once
+   per key block. */
+#define KA_AVX512 1
+#define KA_PR 6
+
+/* 2^x on 16 lanes: x = n + f with n = round(x), |f| <= 1/2; 2^f by its degree-6 Taylor
+   polynomial in f ln 2 (relative error ~2e-7), times 2^n by vscalefps (0 for a very negative
+   x, with no clamping).  The scores are kept in base-2 units: scale * log2(e) is folded into
+   the packed keys, so 2^(s - m) is the softmax's exp. */
+static inline __m512 ka_exp2_16(__m512 x) {
+  __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 f = _mm512_sub_ps(x, n);
+  __m512 p = _mm512_set1_ps(1.5403530393381608e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+static inline __mmask16 ka_lanes(long n) {  /* the first n lanes (n clamped to [0, 16]) */
+  return n >= 16 ? (__mmask16)0xFFFF : n <= 0 ? (__mmask16)0 : (__mmask16)((1u << n) - 1u);
+}
+
+/* One row's 64 scores at p (key j0 + j at p[j], already scaled to base 2), in place: the
+   mask (keys from lim on unseen; a float mask added, times log2(e)), the online-softmax
+   update of the running maximum *m and of the lane sums l[16], P stored over them; *corr is
+   2^(old m - new m), by which the caller rescales the row's output. */
+static inline void ka_row16(float *p, long lim, const void *mrow, int mkind, long ms, float *m, float *l,
+                            float *corr) {
+  __m512 sv[4] = {_mm512_loadu_ps(p), _mm512_loadu_ps(p + 16), _mm512_loadu_ps(p + 32), _mm512_loadu_ps(p + 48)};
+  __m512 ninf = _mm512_set1_ps(-INFINITY), log2e = _mm512_set1_ps(1.44269504088896341f);
+  __mmask16 valid[4];
+  for (int c = 0; c < 4; c++) {
+    valid[c] = ka_lanes(lim - 16 * c);
+    __m512 x = sv[c];
+    if (mkind == 2 && valid[c]) {
+      const float *mr = (const float *)mrow + 16 * c * ms;
+      __m512 add;
+      if (ms == 1) add = _mm512_maskz_loadu_ps(valid[c], mr);
+      else if (ms == 0) add = _mm512_set1_ps(mr[0]);
+      else {
+        float t[16];
+        for (int u = 0; u < 16; u++) t[u] = 16 * c + u < lim ? mr[u * ms] : 0.0f;
+        add = _mm512_loadu_ps(t);
+      }
+      x = _mm512_fmadd_ps(add, log2e, x);
+      valid[c] &= _mm512_cmp_ps_mask(x, ninf, _CMP_NEQ_OQ);
+    } else if (mkind == 1 && valid[c]) {
+      const unsigned char *mr = (const unsigned char *)mrow + 16 * c * ms;
+      __mmask16 keep = 0;
+      if (ms == 0) keep = mr[0] ? (__mmask16)0xFFFF : 0;
+      else if (ms == 1 && valid[c] == (__mmask16)0xFFFF) {
+        __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)mr));
+        keep = _mm512_test_epi32_mask(bytes, bytes);
+      } else {
+        for (int u = 0; u < 16; u++)
+          if (16 * c + u < lim && mr[u * ms]) keep |= (__mmask16)(1u << u);
+      }
+      valid[c] &= keep;
+    }
+    sv[c] = _mm512_mask_mov_ps(ninf, valid[c], x);
+  }
+  float mx = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(sv[0], sv[1]), _mm512_max_ps(sv[2], sv[3])));
+  float mold = *m, mnew = mx > mold ? mx : mold;
+  __m512 vm = _mm512_set1_ps(mnew), sum = _mm512_setzero_ps();
+  for (int c = 0; c < 4; c++) {  /* lanes not seen give 0 (and so does a row that saw nothing) */
+    __m512 e = _mm512_maskz_mov_ps(valid[c], ka_exp2_16(_mm512_sub_ps(sv[c], vm)));
+    sum = _mm512_add_ps(sum, e);
+    _mm512_storeu_ps(p + 16 * c, e);
+  }
+  /* 0 where nothing was seen before (the sum and output are 0 anyway), 1 where the maximum held */
+  __m512 cv = mold == -INFINITY ? _mm512_setzero_ps() : ka_exp2_16(_mm512_set1_ps(mold - mnew));
+  _mm512_storeu_ps(l, _mm512_fmadd_ps(_mm512_loadu_ps(l), cv, sum));
+  *m = mnew;
+  *corr = _mm512_cvtss_f32(cv);
+}
+
+/* o[6][nv vectors from column c0] = o * corr + P[6][w] @ V[w][...]: the output tile of a panel,
+   loaded, rescaled, accumulated over the block's w keys and stored once */
+static inline __attribute__((always_inline)) void ka_pv16(int nv, long w, const float *p, const float *vt,
+    long vs, float *o, long ldo, const float *corr, __mmask16 tail) {
+  __m512 acc[KA_PR][4];
+  for (int r = 0; r < KA_PR; r++) {
+    __m512 cr = _mm512_set1_ps(corr[r]);
+    for (int c = 0; c < nv; c++) acc[r][c] = _mm512_mul_ps(_mm512_loadu_ps(o + r * ldo + 16 * c), cr);
+  }
+  for (long j = 0; j < w; j++) {
+    const float *vr = vt + j * vs;
+    __m512 vv[4];
+    for (int c = 0; c < nv; c++) vv[c] = c == nv - 1 ? _mm512_maskz_loadu_ps(tail, vr + 16 * c) : _mm512_loadu_ps(vr + 16 * c);
+    for (int r = 0; r < KA_PR; r++) {
+      __m512 pr = _mm512_set1_ps(p[r * KA_BK + j]);
+      for (int c = 0; c < nv; c++) acc[r][c] = _mm512_fmadd_ps(pr, vv[c], acc[r][c]);
+    }
+  }
+  for (int r = 0; r < KA_PR; r++)
+    for (int c = 0; c < nv; c++) _mm512_storeu_ps(o + r * ldo + 16 * c, acc[r][c]);
+}
+
+/* The packed keys and values of a call: a buffer of the calling thread, grown as needed and
+   kept (megabytes freshly mapped at every call cost more page faults than the packing itself) */
+static __thread float *ka_pool_data;
+static __thread size_t ka_pool_bytes;
+static float *ka_pool(size_t bytes) {
+  if (bytes > ka_pool_bytes) {
+    free(ka_pool_data);
+    size_t grown = (bytes + 4095) / 4096 * 4096;
+    ka_pool_data = (float *)aligned_alloc(64, grown);
+    ka_pool_bytes = ka_pool_data ? grown : 0;
+  }
+  return ka_pool_data;
+}
+
+/* s[6][16 nk] (row stride KA_BK) = Q[6][E] @ K^T[E][16 nk]: a panel's scores against the first
+   16 nk keys of a block, in registers (Q broadcast in place; rows from pr on repeat row 0) */
+static inline __attribute__((always_inline)) void ka_s16(int nk, long E, const float *qt, long ql, long pr,
+                                                         const float *kblk, float *s) {
+  __m512 acc[KA_PR][4];
+  const float *qr[KA_PR];
+  for (int r = 0; r < KA_PR; r++) {
+    qr[r] = qt + (r < pr ? r : 0) * ql;
+    for (int c = 0; c < nk; c++) acc[r][c] = _mm512_setzero_ps();
+  }
+  for (long e = 0; e < E; e++) {
+    __m512 kv[4];
+    for (int c = 0; c < nk; c++) kv[c] = _mm512_loadu_ps(kblk + e * KA_BK + 16 * c);
+    for (int r = 0; r < KA_PR; r++) {
+      __m512 x = _mm512_set1_ps(qr[r][e]);
+      for (int c = 0; c < nk; c++) acc[r][c] = _mm512_fmadd_ps(x, kv[c], acc[r][c]);
+    }
+  }
+  for (int r = 0; r < KA_PR; r++)
+    for (int c = 0; c < nk; c++) _mm512_storeu_ps(s + r * KA_BK + 16 * c, acc[r][c]);
+}
+
+static int ka_attention_512(long B, long H, long L, long S, long E, long Ev, long group,
+                            const float *q, long qb, long qh, long ql,
+                            const float *k, long kb, long kh, long ks,
+                            const float *v, long vb, long vh, long vs,
+                            const void *mask, int mkind, long mb, long mh, long ml, long ms,
+                            int causal, float scale, float *o, long ob, long oh, long ol, int nthreads) {
+  long tiles = (L + KA_QT - 1) / KA_QT;
+  long kvh = H / group, kvheads = B * kvh, tasks = B * H * tiles;
+  long evw = (Ev + 63) / 64 * 64;  /* accumulator row width: whole 64-column groups */
+  long spad = (S + KA_BK - 1) / KA_BK * KA_BK;
+  long evp = (Ev + 15) / 16 * 16;  /* packed V row: whole vectors */
+  size_t msize = mkind == 1 ? 1 : 4;
+  float kscale = scale * 1.44269504088896341f;  /* scores in base-2 units (ka_exp2_16) */
+  if (tasks <= 0) return 0;
+  /* every key/value head packed once, shared by the threads: K^T (scaled) in blocks of KA_BK
+     keys, [spad / KA_BK][E][KA_BK], and V's rows, [S][evp]; both read sequentially (rows of
+     K^T a whole key column apart, or V's own row stride, can map a block's rows to a few
+     cache sets) */
+  size_t kstride = (size_t)spad * (size_t)(E > 0 ? E : 1), vstride = (size_t)spad * (size_t)evp + 16;
+  float *kpall = ka_pool(sizeof(float) * (kstride + vstride) * (size_t)kvheads);
+  if (!kpall) return 1;
+  float *vpall = kpall + kstride * (size_t)kvheads;
+  int failed = 0;
+  #pragma omp parallel num_threads(nthreads) reduction(|:failed)
+  {
+    #pragma omp for schedule(static)
+    for (long kvi = 0; kvi < kvheads; kvi++) {
+      long b = kvi / kvh, hk = kvi % kvh;
+      const float *kt = k + b * kb + hk * kh, *vt = v + b * vb + hk * vh;
+      float *kp = kpall + kstride * (size_t)kvi, *vp = vpall + vstride * (size_t)kvi;
+      for (long j = 0; j < spad; j++) {
+        float *dst = kp + (j / KA_BK) * E * KA_BK + j % KA_BK;
+        if (j < S) {
+          const float *src = kt + j * ks;
+          for (long e = 0; e < E; e++) dst[e * KA_BK] = src[e] * kscale;
+        } else {
+          for (long e = 0; e < E; e++) dst[e * KA_BK] = 0.0f;
+        }
+      }
+      for (long j = 0; j < S; j++) memcpy(vp + j * evp, vt + j * vs, sizeof(float) * (size_t)Ev);
+    }
+    float *acc = (float *)aligned_alloc(64, sizeof(float) * (size_t)((KA_QT + KA_PR) * evw)); /* [QT][evw] */
+    float pbuf[(KA_QT + KA_PR) * KA_BK] __attribute__((aligned(64)));  /* P of the tile's rows */
+    float cbuf[KA_QT + KA_PR];                                           /* their rescale factors */
+    float mrow[KA_QT + KA_PR], lrow[(KA_QT + KA_PR) * 16] __attribute__((aligned(64)));  /* l: lane sums */
+    if (!acc) failed = 1;
+    memset(pbuf, 0, sizeof pbuf);  /* the lanes past a short block's keys are read, then masked */
+    /* a task is one (batch, head, query tile): the threads work on the tiles of one head at
+       a time (its keys and values stay in cache), its last tiles first (the longest, when
+       causal) */
+    #pragma omp for schedule(dynamic, 1)
+    for (long task = 0; task < tasks; task++) {
+      if (!acc) continue;
+      long bh = task / tiles, tile = tiles - 1 - task % tiles, b = bh / H, h = bh % H;
+      const float *kp = kpall + kstride * (size_t)(b * kvh + h / group);
+      const float *vp = vpall + vstride * (size_t)(b * kvh + h / group);
+      {
+        long i0 = tile * KA_QT;
+        long rows = L - i0 < KA_QT ? L - i0 : KA_QT;
+        long panels = (rows + KA_PR - 1) / KA_PR;
+        for (long r = 0; r < panels * KA_PR; r++) mrow[r] = -INFINITY;
+        memset(lrow, 0, sizeof(float) * 16 * (size_t)(panels * KA_PR));
+        memset(acc, 0, sizeof(float) * (size_t)(panels * KA_PR * evw));
+        long send = causal ? (i0 + rows < S ? i0 + rows : S) : S;
+        for (long j0 = 0; j0 < send; j0 += KA_BK) {
+          long w = send - j0 < KA_BK ? send - j0 : KA_BK;
+          const float *kblk = kp + (j0 / KA_BK) * E * KA_BK;
+          for (long mp = 0; mp < panels; mp++) {
+            long r0 = mp * KA_PR, pr = rows - r0 < KA_PR ? rows - r0 : KA_PR;
+            if (causal && j0 > i0 + r0 + pr - 1) continue;  /* no row of this panel sees the block */
+            const float *qt = q + b * qb + h * qh + (i0 + r0) * ql;
+            float *sp = pbuf + r0 * KA_BK;
+            switch ((w + 15) / 16) {  /* only the vectors of keys the block has */
+              case 4: ka_s16(4, E, qt, ql, pr, kblk, sp); break;
+              case 3: ka_s16(3, E, qt, ql, pr, kblk, sp); break;
+              case 2: ka_s16(2, E, qt, ql, pr, kblk, sp); break;
+              default: ka_s16(1, E, qt, ql, pr, kblk, sp); break;
+            }
+            for (long r = 0; r < KA_PR; r++) {
+              long i = i0 + r0 + r, lim = r < pr ? w : 0;
+              if (causal && i - j0 + 1 < lim) lim = i - j0 + 1;
+              const char *mr = mask ? (const char *)mask + msize * (size_t)(b * mb + h * mh + i * ml + j0 * ms) : 0;
+              ka_row16(pbuf + (r0 + r) * KA_BK, lim, mr, mkind, ms, mrow + r0 + r, lrow + (r0 + r) * 16, cbuf + r0 + r);
+            }
+          }
+          /* then P @ V, panel by panel: P was stored a whole pass earlier */
+          for (long mp = 0; mp < panels; mp++) {
+            long r0 = mp * KA_PR, pr = rows - r0 < KA_PR ? rows - r0 : KA_PR;
+            if (causal && j0 > i0 + r0 + pr - 1) continue;
+            float *ap = acc + r0 * evw;
+            const float *pp = pbuf + r0 * KA_BK, *cr = cbuf + r0;
+            for (long c0 = 0; c0 < Ev; c0 += 64) {
+              long left = Ev - c0;
+              int nv = left >= 64 ? 4 : (int)((left + 15) / 16);
+              __mmask16 tail = ka_lanes(left - 16 * (nv - 1));
+              const float *vc = vp + j0 * evp + c0;
+              switch (nv) {
+                case 4: ka_pv16(4, w, pp, vc, evp, ap + c0, evw, cr, tail); break;
+                case 3: ka_pv16(3, w, pp, vc, evp, ap + c0, evw, cr, tail); break;
+                case 2: ka_pv16(2, w, pp, vc, evp, ap + c0, evw, cr, tail); break;
+                default: ka_pv16(1, w, pp, vc, evp, ap + c0, evw, cr, tail); break;
+              }
+            }
+          }
+        }
+        float *ot = o + b * ob + h * oh + i0 * ol;
+        for (long r = 0; r < rows; r++) {
+          float l = _mm512_reduce_add_ps(_mm512_loadu_ps(lrow + r * 16));
+          float inv = l > 0.0f ? 1.0f / l : 0.0f;
+          const float *ar = acc + r * evw;
+          float *orow = ot + r * ol;
+          #pragma omp simd
+          for (long e = 0; e < Ev; e++) orow[e] = ar[e] * inv;
+        }
+      }
+    }
+    free(acc);
+  }
+  return failed;
+}
+#endif
+"""
+
+_ENTRY = r"""/* out[b,h,i,:] = softmax_j(q[b,h,i,:] . k[b,h/group,j,:] * scale + mask[b,h,i,j]) v[b,h/group,j,:]
+   Last axes of q, k, v unit-stride; other strides in elements (0 for broadcast axes).
+   mkind: 0 none, 1 bool (keep where nonzero), 2 float32 (added).  Returns 1 without memory. */
+int kiln_attention_f32(long B, long H, long L, long S, long E, long Ev, long group,
+                       const float *q, long qb, long qh, long ql,
+                       const float *k, long kb, long kh, long ks,
+                       const float *v, long vb, long vh, long vs,
+                       const void *mask, int mkind, long mb, long mh, long ml, long ms,
+                       int causal, float scale, float *o, long ob, long oh, long ol, int nthreads) {
+#ifdef KA_AVX512
+  return ka_attention_512(B, H, L, S, E, Ev, group, q, qb, qh, ql, k, kb, kh, ks, v, vb, vh, vs, mask, mkind,
+                          mb, mh, ml, ms, causal, scale, o, ob, oh, ol, nthreads);
+#endif
+  long tiles = (L + KA_QT - 1) / KA_QT;
+  /* a task is one (batch, head) and a chunk of its query tiles; the keys it reads are
+     packed once per task.  Heads are split into chunks only when there are fewer than
+     two per thread. */
+  long heads = B * H;
+  long chunks = heads >= 2 * nthreads ? 1 : (2 * nthreads + heads - 1) / heads;
+  if (chunks > tiles) chunks = tiles;
+  long per_chunk = chunks > 0 ? (tiles + chunks - 1) / chunks : 0;
+  long tasks = heads * chunks;
+  long evw = (Ev + 15) / 16 * 16;  /* accumulator row width */
+  long ev16 = Ev / 16 * 16;        /* columns the micro-kernel covers */
+  long spanels = (S + 15) / 16;
+  int failed = 0;
+  if (tasks <= 0) return 0;
+  #pragma omp parallel num_threads(nthreads) reduction(|:failed)
+  {
+    long e1 = E > 0 ? E : 1;
+    float *qp = (float *)aligned_alloc(64, sizeof(float) * (size_t)(KA_QT * e1));                /* [QT/6][E][6] */
+    float *kp = (float *)aligned_alloc(64, sizeof(float) * (size_t)((spanels + 1) * 16 * e1));  /* [S/16][E][16] */
+    float *acc = (float *)aligned_alloc(64, sizeof(float) * (size_t)(KA_QT * evw + 16));         /* [QT][evw] */
+    float s[6 * KA_BK] __attribute__((aligned(64)));
+    float pp[KA_BK * 6] __attribute__((aligned(64)));   /* P of 6 rows, [BK][6] */
+    float mrow[KA_QT], lrow[KA_QT];
+    if (!qp || !kp || !acc) failed = 1;
+    #pragma omp for schedule(dynamic, 1)
+    for (long task = 0; task < tasks; task++) {
+      if (!qp || !kp || !acc) continue;
+      long b = task / (H * chunks), h = (task / chunks) %% H, chunk = task %% chunks;
+      long t0 = chunk * per_chunk, t1 = t0 + per_chunk < tiles ? t0 + per_chunk : tiles;
+      if (t0 >= t1) continue;
+      const float *kt = k + b * kb + (h / group) * kh;
+      const float *vt = v + b * vb + (h / group) * vh;
+      long last = t1 * KA_QT < L ? t1 * KA_QT : L;
+      long kend = causal ? (last < S ? last : S) : S;
+      long kpad = (kend + 15) / 16 * 16;
+      for (long j = 0; j < kpad; j++) {
+        float *dst = kp + (j / 16) * E * 16 + j %% 16;
+        if (j < kend) {
+          const float *src = kt + j * ks;
+          for (long e = 0; e < E; e++) dst[e * 16] = src[e];
+        } else {
+          for (long e = 0; e < E; e++) dst[e * 16] = 0.0f;
+        }
+      }
+      for (long tile = t0; tile < t1; tile++) {
+      long i0 = tile * KA_QT;
+      long rows = L - i0 < KA_QT ? L - i0 : KA_QT;
+      long panels = (rows + 5) / 6;
+      const float *qt = q + b * qb + h * qh + i0 * ql;
+      float *ot = o + b * ob + h * oh + i0 * ol;
+      for (long mp = 0; mp < panels; mp++)
+        for (int r = 0; r < 6; r++) {
+          long row = mp * 6 + r;
+          float *dst = qp + mp * E * 6 + r;
+          if (row < rows) {
+            const float *src = qt + row * ql;
+            for (long e = 0; e < E; e++) dst[e * 6] = src[e] * scale;
+          } else {
+            for (long e = 0; e < E; e++) dst[e * 6] = 0.0f;
+          }
+        }
+      for (long r = 0; r < KA_QT; r++) { mrow[r] = -INFINITY; lrow[r] = 0.0f; }
+      memset(acc, 0, sizeof(float) * (size_t)(panels * 6 * evw));
+      long send = causal ? (i0 + rows < S ? i0 + rows : S) : S;
+      for (long j0 = 0; j0 < send; j0 += KA_BK) {
+        long w = send - j0 < KA_BK ? send - j0 : KA_BK;
+        long kpanels = (w + 15) / 16;
+        for (long mp = 0; mp < panels; mp++) {
+          long r0 = mp * 6;
+          if (causal && j0 > i0 + r0 + 5) continue;  /* no row of this panel sees the block */
+          for (long p = 0; p < kpanels; p++) ka_tile(E, qp + mp * E * 6, kp + (j0 / 16 + p) * E * 16, 16, s + p * 16, KA_BK, 0);
+          int any = 0;
+          for (int r = 0; r < 6; r++) {
+            long row = r0 + r, i = i0 + row;
+            float *sr = s + r * KA_BK;
+            long lim = w;
+            if (row >= rows) lim = 0;
+            if (causal && i - j0 + 1 < lim) lim = i - j0 + 1 > 0 ? i - j0 + 1 : 0;
+            if (lim > 0 && mkind == 1) {
+              const unsigned char *mr = (const unsigned char *)mask + b * mb + h * mh + i * ml + j0 * ms;
+              for (long j = 0; j < lim; j++) if (!mr[j * ms]) sr[j] = -INFINITY;
+            } else if (lim > 0 && mkind == 2) {
+              const float *mr = (const float *)mask + b * mb + h * mh + i * ml + j0 * ms;
+              for (long j = 0; j < lim; j++) sr[j] += mr[j * ms];
+            }
+            float mx = -INFINITY;
+            #pragma omp simd reduction(max:mx)
+            for (long j = 0; j < lim; j++) mx = sr[j] > mx ? sr[j] : mx;
+            if (mx == -INFINITY) {  /* nothing seen in this block */
+              for (long j = 0; j < KA_BK; j++) pp[j * 6 + r] = 0.0f;
+              continue;
+            }
+            any = 1;
+            float mold = mrow[row], mnew = mold > mx ? mold : mx;
+            for (long j = lim; j < KA_BK; j++) sr[j] = -INFINITY;
+            ka_exp_row(sr, mnew);
+            float lanes[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+            for (long j = 0; j < KA_BK; j += 8)
+              for (int u = 0; u < 8; u++) lanes[u] += sr[j + u];
+            float sum = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
+            for (long j = 0; j < KA_BK; j++) pp[j * 6 + r] = sr[j];
+            if (mold != mnew) {
+              float corr = mold == -INFINITY ? 0.0f : ka_exp(mold - mnew);
+              float *ar = acc + row * evw;
+              lrow[row] *= corr;
+              #pragma omp simd
+              for (long e = 0; e < Ev; e++) ar[e] *= corr;
+            }
+            lrow[row] += sum;
+            mrow[row] = mnew;
+          }
+          if (!any) continue;
+          float *ap = acc + r0 * evw;
+          for (long c0 = 0; c0 < ev16; c0 += 16) ka_tile(w, pp, vt + j0 * vs + c0, vs, ap + c0, evw, 1);
+          for (long c = ev16; c < Ev; c++)
+            for (int r = 0; r < 6; r++) {
+              float sum = ap[r * evw + c];
+              for (long j = 0; j < w; j++) sum += pp[j * 6 + r] * vt[(j0 + j) * vs + c];
+              ap[r * evw + c] = sum;
+            }
+        }
+      }
+      for (long r = 0; r < rows; r++) {
+        float inv = lrow[r] > 0.0f ? 1.0f / lrow[r] : 0.0f;
+        const float *ar = acc + r * evw;
+        float *orow = ot + r * ol;
+        #pragma omp simd
+        for (long e = 0; e < Ev; e++) orow[e] = ar[e] * inv;
+      }
+      }
+    }
+    free(qp);
+    free(kp);
+    free(acc);
+  }
+  return failed;
+}
+"""
+
+_SIZES = {"qt": QUERY_TILE, "bk": KEY_BLOCK}
+SOURCE = _PORTABLE_HEAD % _SIZES + _AVX512 + _ENTRY % _SIZES
+"""The whole translation unit (sizes substituted)."""
+
+__all__ = ["KEY_BLOCK", "QUERY_TILE", "SOURCE"]
