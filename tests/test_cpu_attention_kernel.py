@@ -259,3 +259,15 @@ def test_shared_packing_buffer_grows_and_shrinks_between_calls(L, S, E):
     _check(*_qkv(1, 2, 17, 17, 8, 8, seed=10))
     _check(*_qkv(2, 3, L, S, E, E, seed=11), causal=L == S)
     _check(*_qkv(1, 1, 5, 9, 8, 24, seed=12))
+
+
+def test_choice_times_a_broadcast_mask_through_its_zero_strides(monkeypatch):
+    monkeypatch.setattr(attention_module._CHOOSER, "choose", lambda sig, k, l: (k(), l(), "kiln")[-1])
+    g = Graph("masked")
+    ins = [g.add_input(n, TensorType((1, 3, 17, 8), DType.float32)) for n in "qkv"]
+    ins.append(g.add_input("mask", TensorType((1, 3, 17, 17), DType.float32)))
+    node = g.add_node("scaled_dot_product_attention", ins, {"is_causal": False})
+    strides = [None, None, None, (0, 0, 0, 1)]  # one additive bias per key, expanded
+    made = attention_module._random_like(node, strides)
+    assert made[3].stride() == (0, 0, 0, 1) and made[0].is_contiguous()
+    assert attention_call(node, strides=strides).label.startswith("kiln fused attention")

@@ -253,3 +253,68 @@ def test_a_packed_weight_is_not_taken_for_a_new_tensor_at_a_freed_ones_address(k
         del timed
         real = torch.randn(shape)  # often at the freed tensor's address, version 0
         torch.testing.assert_close(conv(x, real), F.conv2d(x, real, padding=1, groups=groups), rtol=1e-4, atol=1e-4)
+
+
+class _Block(nn.Module):
+    """``act(conv(x') [+ bn] + residual)``, the residual being the block's input (NCHW
+    contiguous) or an earlier convolution's result (channels-last, as kiln keeps it)."""
+
+    def __init__(self, bias: bool, norm: bool, act: bool, residual_from_conv: bool):
+        super().__init__()
+        self.stem = nn.Conv2d(6, 8, 1) if residual_from_conv else None
+        self.conv = nn.Conv2d(8, 8, 3, padding=1, bias=bias)
+        self.bn = nn.BatchNorm2d(8) if norm else None
+        self.act, self.from_conv = act, residual_from_conv
+
+    def forward(self, x):
+        if self.stem is not None:
+            x = self.stem(x)
+        y = self.conv(x)
+        if self.bn is not None:
+            y = self.bn(y)
+        y = y + x
+        return torch.relu(y) if self.act else y
+
+
+@pytest.mark.parametrize("bias,norm,act,from_conv", [
+    (False, True, True, True),     # a ResNet block: conv, batch norm, sum, ReLU
+    (True, False, False, False),   # a bias and a plain sum with the (NCHW) input
+    (False, False, True, True),    # no bias between the weight and the residual
+    (True, True, False, False),
+])
+def test_residual_add_and_relu_run_inside_the_onednn_call(monkeypatch, fold_everything, bias, norm, act, from_conv):
+    monkeypatch.setenv(ENV_VAR, "0")  # oneDNN for every convolution
+    torch.manual_seed(0)
+    model = _randomize_norms(_Block(bias, norm, act, from_conv))
+    x = torch.randn(2, 6 if from_conv else 8, 17, 13)
+    compiled = kiln.compile(model, (x,), backend="cpu", strict=True, cache=False)
+    with torch.no_grad():
+        assert _rel(compiled(x), model(x)) <= 1e-4
+        labels = _labels(compiled, (x,))
+        fused = [label for label in labels if "residual add" in label]
+        assert len(fused) == 1 and ("+relu" in fused[0]) == act, labels
+        assert not any("epilogue" in label for label in labels), labels
+        model.conv.weight.mul_(-0.5)  # a parameter update is seen by the prepacked weight
+        assert _rel(compiled(x), model(x)) <= 1e-4
+
+
+def test_a_residual_that_is_also_read_elsewhere_is_left_intact(monkeypatch, fold_everything):
+    monkeypatch.setenv(ENV_VAR, "0")
+
+    class TwoReaders(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Conv2d(8, 8, 3, padding=1), nn.Conv2d(8, 8, 3, padding=1)
+
+        def forward(self, x):
+            h = torch.relu(self.a(x))
+            return torch.relu(self.b(h) + h), h * 2
+
+    torch.manual_seed(0)
+    model = TwoReaders().eval()
+    x = torch.randn(1, 8, 11, 11)
+    compiled = kiln.compile(model, (x,), backend="cpu", strict=True, cache=False)
+    with torch.no_grad():
+        for got, want in zip(compiled(x), model(x)):
+            assert _rel(got, want) <= 1e-4
+    assert any("residual add" in label for label in _labels(compiled, (x,)))

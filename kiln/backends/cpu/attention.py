@@ -166,13 +166,14 @@ def _random_like(node: Node, strides: Sequence[tuple[int, ...] | None]) -> list[
     tensors = []
     for value, stride in zip(node.inputs, strides):
         shape = tuple(value.shape)
+        layout = stride is not None and len(stride) == len(shape) and all(s >= 0 for s in stride)
+        # random storage seen through the strides (which may repeat elements: a broadcast mask)
+        size = 1 + sum((n - 1) * s for n, s in zip(shape, stride)) if layout and all(shape) else None
         if value.dtype.name == "bool":
-            data = torch.rand(shape, generator=gen) < 0.8
+            data = torch.rand(size or shape, generator=gen) < 0.8
         else:
-            data = torch.randn(shape, generator=gen).to(torch_dtype(value.dtype))
-        if stride is not None and len(stride) == len(shape) and all(s >= 0 for s in stride):
-            data = torch.empty_strided(shape, stride, dtype=data.dtype).copy_(data)
-        tensors.append(data)
+            data = torch.randn(size or shape, generator=gen).to(torch_dtype(value.dtype))
+        tensors.append(data.as_strided(shape, stride) if size else data)
     return tensors
 
 

@@ -22,6 +22,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import replace
 
+import torch
+
 from kiln.backends.base import Backend, get_backend
 from kiln.backends.common.absorb import permute_result
 from kiln.backends.common.library import VIEWS, LibraryCall
@@ -35,7 +37,7 @@ from kiln.ir.types import DType
 from .gemm import KILN_PROVIDER, GemmSpec, gemm_spec, size_c_expr
 from .library import conv_call, library_call, reference_call
 from .conv_plan import KilnConvCall, conv_epilogue, finish, plan_foreign, with_activation
-from .packed_conv import BatchNormFolded, PackedConv
+from .packed_conv import POST_OPS, BatchNormFolded, PackedConv
 from .microgemm import packed_shape
 from .microgemm_bf16 import packed_shape_bf16
 
@@ -178,7 +180,8 @@ class CpuPartitioner(Partitioner):
         (folded into its weight, :class:`~.packed_conv.BatchNormFolded`) when the norm's
         statistics and affine parameters are parameters too.  On kiln's kernels in a graph of
         static shapes (a foreign kernel, :mod:`.conv_plan`) it also applies a residual add
-        and an activation in its tile store; oneDNN applies a ReLU in place."""
+        and an activation in its tile store; oneDNN adds a residual and applies a ReLU in its
+        call."""
         if anchor.op_name != "conv" or not all(v.type.is_static for v in (*anchor.inputs, *anchor.outputs)):
             return None
         persistent = self.persistent([operand[v] for v in anchor.inputs])
@@ -207,15 +210,28 @@ class CpuPartitioner(Partitioner):
             label = call.label + ("" if eps is None else ", batch norm folded") + ("" if act == "none" else f", {act}") \
                 + ("" if residual is None else ", residual")
             return LibraryCall(kcall, False, label, channels_last=True, native=kcall), computed, reads
-        if isinstance(call.function, PackedConv) and chain and chain[0].op_name == "relu":
-            call = conv_call(anchor, persistent, "relu")
-            computed.append(chain.pop(0))
+        residual = None
+        if isinstance(call.function, PackedConv):
+            nodes, act, residual = conv_epilogue(body, computed[-1])
+            if residual is not None and act in POST_OPS and residual.type.rank == 4 and residual in operand:
+                call = conv_call(anchor, persistent, act)  # the sum (and ReLU) in oneDNN's call
+                computed += nodes
+                reads.append(residual)
+            elif chain and chain[0].op_name == "relu":
+                residual = None
+                call = conv_call(anchor, persistent, "relu")
+                computed.append(chain.pop(0))
+            else:
+                residual = None
         if len(computed) == 1:
             return None
         fn = call.function
         if eps is not None:
-            fn = BatchNormFolded(fn, len(anchor.inputs) > 2, eps)
-        label = call.label + ("" if eps is None else ", batch norm folded into the weight")
+            fn = BatchNormFolded(fn, len(anchor.inputs) > 2, eps, residual is not None)
+        elif residual is not None and len(anchor.inputs) == 2:  # (x, w, residual): no bias between
+            fn = _without_bias(fn)
+        label = (call.label + ("" if eps is None else ", batch norm folded into the weight")
+                 + ("" if residual is None else ", residual add"))
         return replace(call, function=fn, label=label), computed, reads
 
     # ----------------------------------------------------------------- layouts
@@ -338,6 +354,13 @@ def _to_channels_last(rank: int) -> tuple[int, ...]:
 
 def _channels_last_shape(shape: tuple) -> tuple:
     return (shape[0], *shape[2:], shape[1])
+
+
+def _without_bias(conv: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """``conv`` (called as ``(x, w, b, residual)``) called as ``(x, w, residual)``."""
+    def call(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return conv(x, w, None, residual)
+    return call
 
 
 def _epilogue_chain(body: Graph, anchor: Node) -> list[Node]:
