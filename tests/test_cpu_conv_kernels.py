@@ -14,7 +14,7 @@ from torch import nn
 
 import kiln
 from kiln.backends.cpu import conv as conv_module
-from kiln.backends.cpu.conv import KilnConv2d, conv2d, kind, native_conv
+from kiln.backends.cpu.conv import ACTIVATIONS, KilnConv2d, conv2d, kind, native_conv
 from kiln.backends.cpu.library import library_call
 from kiln.backends.cpu.standalone import ENV_VAR
 from kiln.ir import Graph, get_op
@@ -68,15 +68,28 @@ def test_large_gemm_crosses_blocks():
     _check(1, 300, 20, 20, 33, 1, seed=2, channels_last=True)  # K = 300: two blocks of K
 
 
-@pytest.mark.parametrize("cout", [1, 3, 16, 17, 64])
+@pytest.mark.parametrize("cout", [1, 3, 16, 17, 64, 130, 1000])
 def test_direct_kernel_for_few_input_channels(cout):
     """The direct kernel (a stem: broadcast input values against 16 output channels, 8
-    pixels at once) at odd sizes: a 3x3 stride-2 stem, a 7x7 one, dilation, a row shorter
-    than 8 pixels, NCHW and channels-last inputs, without bias."""
+    pixels at once; with AVX-512, 64 channels x 6 pixels first, then the rest 16 at a time)
+    at odd sizes: a 3x3 stride-2 stem, a 7x7 one, dilation, a row shorter than 8 pixels,
+    NCHW and channels-last inputs, without bias."""
     _check(1, 3, 17, 19, cout, 3, stride=2, padding=1, direct=True)
     _check(2, 3, 13, 13, cout, 7, stride=2, padding=3, direct=True, channels_last=True)
     _check(1, 1, 9, 5, cout, 3, dilation=2, padding=2, bias=False, direct=True)
     _check(1, 4, 3, 3, cout, 2, direct=True)
+
+
+@pytest.mark.parametrize("act", ACTIVATIONS)
+@pytest.mark.parametrize("cout", [70, 128])
+def test_direct_kernel_applies_residual_and_activation_in_its_stores(act, cout):
+    g = torch.Generator().manual_seed(3)
+    x, w, b = torch.randn(2, 3, 23, 29, generator=g), torch.randn(cout, 3, 5, 5, generator=g), torch.randn(cout, generator=g)
+    want = F.conv2d(x, w, b, stride=2, padding=2)
+    residual = torch.randn(want.shape, generator=g)
+    want = {"none": lambda t: t, "relu": F.relu, "relu6": F.relu6, "hardswish": F.hardswish}[act](want + residual)
+    got = KilnConv2d("direct", (2, 2), (2, 2), (1, 1), 1, act=act)(x, w, b, residual)
+    assert ((got - want).abs().max() / want.abs().max()).item() <= 1e-4
 
 
 def test_one_kernel_object_serves_calls_of_several_layouts_and_shapes():

@@ -328,11 +328,63 @@ _DIRECT = r"""
 /* ------------------------------------------------------------------ few input channels */
 #define KDR_PX 8
 #define KDR_CB 16
+#ifdef KMG_AVX512
+#define KDR_PX6 6
+/* 6 output pixels (row oh, from ow) x 64 output channels of the direct convolution below, in
+   24 accumulators: each input value is broadcast once against four weight vectors (with
+   64 or more output channels; the 16-channel loop does the rest) */
+static inline void kdr_block64(const float *xi, long xc, long xh, long xw, long H, long W, long C, long KH, long KW,
+                               long oh, long ow, long OW, long sh, long sw, long ph, long pw, long dh, long dw,
+                               const float *wt, long Cp, const float *bias, const float *rrow, int act, float *orow,
+                               long Cout) {
+  long px = OW - ow < KDR_PX6 ? OW - ow : KDR_PX6;
+  __m512 acc[KDR_PX6][4];
+  for (int v = 0; v < 4; v++) {
+    __m512 b = bias ? _mm512_loadu_ps(bias + 16 * v) : _mm512_setzero_ps();
+    for (int p = 0; p < KDR_PX6; p++) acc[p][v] = b;
+  }
+  for (long c = 0; c < C; c++) {
+    for (long kh = 0; kh < KH; kh++) {
+      long ih = oh * sh - ph + kh * dh;
+      if (ih < 0 || ih >= H) continue;
+      const float *xr = xi + c * xc + ih * xh;
+      const float *wr = wt + (c * KH + kh) * KW * Cp;
+      for (long kw = 0; kw < KW; kw++) {
+        const float *wp = wr + kw * Cp;
+        __m512 w0 = _mm512_loadu_ps(wp), w1 = _mm512_loadu_ps(wp + 16);
+        __m512 w2 = _mm512_loadu_ps(wp + 32), w3 = _mm512_loadu_ps(wp + 48);
+        long iw0 = ow * sw - pw + kw * dw;
+        int inside = px == KDR_PX6 && iw0 >= 0 && iw0 + (KDR_PX6 - 1) * sw < W;
+        for (int p = 0; p < KDR_PX6; p++) {
+          long iw = iw0 + p * sw;
+          if (!inside && (p >= px || iw < 0 || iw >= W)) continue;
+          __m512 xv = _mm512_set1_ps(xr[iw * xw]);
+          acc[p][0] = _mm512_fmadd_ps(xv, w0, acc[p][0]);
+          acc[p][1] = _mm512_fmadd_ps(xv, w1, acc[p][1]);
+          acc[p][2] = _mm512_fmadd_ps(xv, w2, acc[p][2]);
+          acc[p][3] = _mm512_fmadd_ps(xv, w3, acc[p][3]);
+        }
+      }
+    }
+  }
+  for (int p = 0; p < KDR_PX6; p++) {
+    if (p >= px) break;
+    float *o = orow + (ow + p) * Cout;
+    for (int v = 0; v < 4; v++) {
+      __m512 y = acc[p][v];
+      if (rrow) y = _mm512_add_ps(y, _mm512_loadu_ps(rrow + (ow + p) * Cout + 16 * v));
+      _mm512_storeu_ps(o + 16 * v, kcv_act16(y, act));
+    }
+  }
+}
+#endif
+
 /* out[n,oh,ow,co] (NHWC) = act(bias[co] + sum_(c,kh,kw) x[n,c,ih,iw] wt[c][kh][kw][co] (0 outside
    the input) + res[n,oh,ow,co]), x's element (n,c,h,w) at x[n*xn + c*xc + h*xh + w*xw], wt's output channels padded
    with zeros to Cp (a multiple of 16): each input value is broadcast against 16 output
-   channels, for 8 output pixels of a row at once (eight vector accumulators).  For the stem
-   of a CNN (3 input channels), where a GEMM's K is too short to pay for packing A. */
+   channels, for 8 output pixels of a row at once (eight vector accumulators; with AVX-512,
+   64 channels x 6 pixels at once first, kdr_block64).  For the stem of a CNN (3 input
+   channels), where a GEMM's K is too short to pay for packing A. */
 void kiln_conv_direct_f32(long N, long C, long H, long W, long OH, long OW, long KH, long KW,
                           long sh, long sw, long ph, long pw, long dh, long dw,
                           const float *x, long xn, long xc, long xh, long xw,
@@ -345,9 +397,17 @@ void kiln_conv_direct_f32(long N, long C, long H, long W, long OH, long OW, long
       const float *xi = x + n * xn;
       float *orow = out + (n * OH + oh) * OW * Cout;
       const float *rrow = res ? res + (n * OH + oh) * OW * Cout : 0;
-      for (long ow = 0; ow < OW; ow += KDR_PX) {
+      long c64 = 0;
+#ifdef KMG_AVX512
+      c64 = Cout / 64 * 64;
+      for (long c0 = 0; c0 < c64; c0 += 64)
+        for (long ow = 0; ow < OW; ow += KDR_PX6) kdr_block64(xi, xc, xh, xw, H, W, C, KH, KW, oh, ow, OW, sh, sw,
+                                                             ph, pw, dh, dw, wt + c0, Cp, bias ? bias + c0 : 0,
+                                                             rrow ? rrow + c0 : 0, act, orow + c0, Cout);
+#endif
+      for (long ow = 0; ow < OW && c64 < Cout; ow += KDR_PX) {
         long px = OW - ow < KDR_PX ? OW - ow : KDR_PX;
-        for (long c0 = 0; c0 < Cout; c0 += KDR_CB) {
+        for (long c0 = c64; c0 < Cout; c0 += KDR_CB) {
           long cw = Cout - c0 < KDR_CB ? Cout - c0 : KDR_CB;
 #ifdef KMG_AVX512
           __mmask16 m = (__mmask16)((1u << cw) - 1u);
