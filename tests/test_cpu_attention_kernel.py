@@ -271,3 +271,61 @@ def test_choice_times_a_broadcast_mask_through_its_zero_strides(monkeypatch):
     made = attention_module._random_like(node, strides)
     assert made[3].stride() == (0, 0, 0, 1) and made[0].is_contiguous()
     assert attention_call(node, strides=strides).label.startswith("kiln fused attention")
+
+
+needs_bf16 = pytest.mark.skipif(kernel(torch.bfloat16) is None, reason="kiln's bf16 attention needs AVX-512")
+
+
+def _check_bf16(q, k, v, mask=None, causal=False, scale=None):
+    """bfloat16 attention: the float32 attention of the same (bf16) values, rounded once."""
+    q, k, v = q.bfloat16(), k.bfloat16(), v.bfloat16()
+    got = attention(q, k, v, mask, is_causal=causal, scale=scale)
+    assert got.dtype == torch.bfloat16
+    want = attention(q.float(), k.float(), v.float(), mask, is_causal=causal, scale=scale)
+    # within one bf16 rounding of the float32 result (relative 2^-8)
+    assert ((got.float() - want).abs() <= want.abs() * 2.0 ** -8 + 1e-6).all()
+    return got
+
+
+@needs_bf16
+@pytest.mark.parametrize("L,S", [(1, 1), (3, 17), (17, 3), (100, 130)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_bf16_odd_sizes(L, S, causal):
+    _check_bf16(*_qkv(2, 3, L, S, 5, 17, seed=13), causal=causal)
+    _check_bf16(*_qkv(1, 8, L, S, 64, 64, seed=14), causal=causal)  # heads enough to pack per thread
+
+
+@needs_bf16
+def test_bf16_masks_gqa_views_and_fully_masked_rows():
+    q, k, v = _qkv(1, 2, 17, 70, 8, 8, seed=15)
+    keep = torch.rand(1, 2, 17, 70, generator=torch.Generator().manual_seed(16)) < 0.5
+    keep[0, 1, 3] = False
+    got = _check_bf16(q, k, v, keep)
+    assert torch.equal(got[0, 1, 3].float(), torch.zeros(8))
+    _check_bf16(q, k, v, torch.randn(1, 70))
+    q, k, v = _qkv(2, 6, 17, 33, 8, 8, seed=17, hk=2)
+    got = attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), is_causal=True)
+    want = F.scaled_dot_product_attention(q.bfloat16().float(), k.bfloat16().float().repeat_interleave(3, 1),
+                                          v.bfloat16().float().repeat_interleave(3, 1), is_causal=True)
+    assert _rel(got.float(), want) <= 2.0 ** -7
+    qkv = torch.randn(2, 19, 3, 4, 16, generator=torch.Generator().manual_seed(18)).bfloat16().permute(2, 0, 3, 1, 4)
+    _check_bf16(qkv[0], qkv[1], qkv[2], causal=True)
+    with pytest.raises(TypeError, match="one dtype"):
+        attention(q.bfloat16(), k, v)
+
+
+@needs_bf16
+def test_bf16_nodes_get_kiln_attention_and_an_amp_graph_runs_it(monkeypatch):
+    monkeypatch.setenv(ENV_VAR, "1")
+    assert attention_call(_sdpa_node(dtype=DType.bfloat16)).label.startswith("kiln fused attention")
+    calls = []
+    original = attention_module.attention
+    monkeypatch.setattr(attention_module, "attention",
+                        lambda q, *a, **k: calls.append(q.dtype) or original(q, *a, **k))
+    torch.manual_seed(0)
+    model = Attend(True).eval()
+    x = torch.randn(2, 17, 32)
+    with torch.no_grad():
+        got = kiln.compile(model, (x,), backend="cpu", amp="bf16")(x)
+        assert _rel(got.float(), model(x)) <= 2e-2
+    assert torch.bfloat16 in calls

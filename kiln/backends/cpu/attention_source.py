@@ -260,63 +260,113 @@ static inline __attribute__((always_inline)) void ka_s16(int nk, long E, const f
     for (int c = 0; c < nk; c++) _mm512_storeu_ps(s + r * KA_BK + 16 * c, acc[r][c]);
 }
 
+/* bf16 <-> f32: a bf16 is the top half of an f32; stores round to nearest even (NaN kept) */
+static inline float ka_bf2f(unsigned short h) {
+  unsigned int u = (unsigned int)h << 16;
+  float f;
+  memcpy(&f, &u, sizeof f);
+  return f;
+}
+static inline unsigned short ka_f2bf(float f) {
+  unsigned int u;
+  memcpy(&u, &f, sizeof u);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((u >> 16) | 0x40u);
+  return (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+/* element i of a float32 (bf == 0) or bfloat16 (bf == 1) array, as float */
+static inline float ka_ld(const void *p, long i, int bf) {
+  return bf ? ka_bf2f(((const unsigned short *)p)[i]) : ((const float *)p)[i];
+}
+
+/* one key/value head (its elements from offsets kt and vt, rows ks and vs apart) packed:
+   K^T scaled by kscale into kp ([spad / KA_BK][E][KA_BK], zero past the S keys), V into vp
+   ([S][evp]) */
+static void ka_pack_head(const void *k, long kt, long ks, const void *v, long vt, long vs, long S, long E, long Ev,
+                         float kscale, int bf, float *kp, float *vp) {
+  long spad = (S + KA_BK - 1) / KA_BK * KA_BK, evp = (Ev + 15) / 16 * 16;
+  for (long j = 0; j < spad; j++) {
+    float *dst = kp + (j / KA_BK) * E * KA_BK + j % KA_BK;
+    if (j < S) {
+      for (long e = 0; e < E; e++) dst[e * KA_BK] = ka_ld(k, kt + j * ks + e, bf) * kscale;
+    } else {
+      for (long e = 0; e < E; e++) dst[e * KA_BK] = 0.0f;
+    }
+  }
+  for (long j = 0; j < S; j++) {
+    if (bf) for (long e = 0; e < Ev; e++) vp[j * evp + e] = ka_ld(v, vt + j * vs + e, 1);
+    else memcpy(vp + j * evp, (const float *)v + vt + j * vs, sizeof(float) * (size_t)Ev);
+  }
+}
+
+/* q, k, v and o are float32, or bfloat16 when bf (converted to f32 as they are packed, Q a
+   tile at a time; the result rounded to bf16 as it is stored) */
 static int ka_attention_512(long B, long H, long L, long S, long E, long Ev, long group,
-                            const float *q, long qb, long qh, long ql,
-                            const float *k, long kb, long kh, long ks,
-                            const float *v, long vb, long vh, long vs,
+                            const void *q, long qb, long qh, long ql,
+                            const void *k, long kb, long kh, long ks,
+                            const void *v, long vb, long vh, long vs,
                             const void *mask, int mkind, long mb, long mh, long ml, long ms,
-                            int causal, float scale, float *o, long ob, long oh, long ol, int nthreads) {
+                            int causal, float scale, void *o, long ob, long oh, long ol, int nthreads, int bf) {
   long tiles = (L + KA_QT - 1) / KA_QT;
-  long kvh = H / group, kvheads = B * kvh, tasks = B * H * tiles;
+  long kvh = H / group, kvheads = B * kvh;
   long evw = (Ev + 63) / 64 * 64;  /* accumulator row width: whole 64-column groups */
   long spad = (S + KA_BK - 1) / KA_BK * KA_BK;
   long evp = (Ev + 15) / 16 * 16;  /* packed V row: whole vectors */
   size_t msize = mkind == 1 ? 1 : 4;
   float kscale = scale * 1.44269504088896341f;  /* scores in base-2 units (ka_exp2_16) */
-  if (tasks <= 0) return 0;
-  /* every key/value head packed once, shared by the threads: K^T (scaled) in blocks of KA_BK
-     keys, [spad / KA_BK][E][KA_BK], and V's rows, [S][evp]; both read sequentially (rows of
-     K^T a whole key column apart, or V's own row stride, can map a block's rows to a few
-     cache sets) */
+  if (B * H * tiles <= 0) return 0;
+  /* Keys and values are packed -- K^T (scaled) in blocks of KA_BK keys, [spad / KA_BK][E][KA_BK],
+     V's rows [S][evp] -- so both are read sequentially (rows of K^T a whole key column apart,
+     or V's own row stride, can map a block's rows to a few cache sets).  With at least two
+     heads per thread, a task is one head: the thread packs its keys and values into a buffer
+     of its own (they stay in its cache) and runs all of its query tiles.  With fewer heads,
+     every key/value head is packed once into one buffer the threads share, and a task is one
+     (head, query tile), so that the threads split the tiles. */
+  int shared = B * H < 2 * (long)nthreads;
+  long tasks = shared ? B * H * tiles : B * H;
   size_t kstride = (size_t)spad * (size_t)(E > 0 ? E : 1), vstride = (size_t)spad * (size_t)evp + 16;
-  float *kpall = ka_pool(sizeof(float) * (kstride + vstride) * (size_t)kvheads);
-  if (!kpall) return 1;
-  float *vpall = kpall + kstride * (size_t)kvheads;
+  float *kpall = 0, *vpall = 0;
+  if (shared) {
+    kpall = ka_pool(sizeof(float) * (kstride + vstride) * (size_t)kvheads);
+    if (!kpall) return 1;
+    vpall = kpall + kstride * (size_t)kvheads;
+  }
   int failed = 0;
   #pragma omp parallel num_threads(nthreads) reduction(|:failed)
   {
-    #pragma omp for schedule(static)
-    for (long kvi = 0; kvi < kvheads; kvi++) {
-      long b = kvi / kvh, hk = kvi % kvh;
-      const float *kt = k + b * kb + hk * kh, *vt = v + b * vb + hk * vh;
-      float *kp = kpall + kstride * (size_t)kvi, *vp = vpall + vstride * (size_t)kvi;
-      for (long j = 0; j < spad; j++) {
-        float *dst = kp + (j / KA_BK) * E * KA_BK + j % KA_BK;
-        if (j < S) {
-          const float *src = kt + j * ks;
-          for (long e = 0; e < E; e++) dst[e * KA_BK] = src[e] * kscale;
-        } else {
-          for (long e = 0; e < E; e++) dst[e * KA_BK] = 0.0f;
-        }
-      }
-      for (long j = 0; j < S; j++) memcpy(vp + j * evp, vt + j * vs, sizeof(float) * (size_t)Ev);
+    if (shared) {
+      #pragma omp for schedule(static)
+      for (long kvi = 0; kvi < kvheads; kvi++)
+        ka_pack_head(k, (kvi / kvh) * kb + (kvi % kvh) * kh, ks, v, (kvi / kvh) * vb + (kvi % kvh) * vh, vs, S, E,
+                     Ev, kscale, bf, kpall + kstride * (size_t)kvi, vpall + vstride * (size_t)kvi);
     }
+    float *own = shared ? 0 : ka_pool(sizeof(float) * (kstride + vstride));  /* this thread's */
     float *acc = (float *)aligned_alloc(64, sizeof(float) * (size_t)((KA_QT + KA_PR) * evw)); /* [QT][evw] */
+    float *qf = bf ? (float *)aligned_alloc(64, sizeof(float) * (size_t)(KA_QT * (E > 0 ? E : 1))) : 0;
+    if (bf && !qf) { free(acc); acc = 0; }  /* a bf16 tile's Q in f32: [QT][E] */
     float pbuf[(KA_QT + KA_PR) * KA_BK] __attribute__((aligned(64)));  /* P of the tile's rows */
     float cbuf[KA_QT + KA_PR];                                           /* their rescale factors */
     float mrow[KA_QT + KA_PR], lrow[(KA_QT + KA_PR) * 16] __attribute__((aligned(64)));  /* l: lane sums */
+    if (!shared && !own) { free(acc); acc = 0; }
     if (!acc) failed = 1;
     memset(pbuf, 0, sizeof pbuf);  /* the lanes past a short block's keys are read, then masked */
-    /* a task is one (batch, head, query tile): the threads work on the tiles of one head at
-       a time (its keys and values stay in cache), its last tiles first (the longest, when
-       causal) */
+    /* shared: the threads work on the tiles of one head at a time (its keys and values stay
+       in cache), its last tiles first (the longest, when causal) */
     #pragma omp for schedule(dynamic, 1)
     for (long task = 0; task < tasks; task++) {
       if (!acc) continue;
-      long bh = task / tiles, tile = tiles - 1 - task % tiles, b = bh / H, h = bh % H;
-      const float *kp = kpall + kstride * (size_t)(b * kvh + h / group);
-      const float *vp = vpall + vstride * (size_t)(b * kvh + h / group);
-      {
+      long bh = shared ? task / tiles : task, b = bh / H, h = bh % H, kvi = b * kvh + h / group;
+      long t_lo = shared ? tiles - 1 - task % tiles : 0, t_hi = shared ? t_lo + 1 : tiles;
+      const float *kp, *vp;
+      if (shared) {
+        kp = kpall + kstride * (size_t)kvi;
+        vp = vpall + vstride * (size_t)kvi;
+      } else {
+        ka_pack_head(k, b * kb + (h / group) * kh, ks, v, b * vb + (h / group) * vh, vs, S, E, Ev, kscale, bf,
+                     own, own + kstride);
+        kp = own;
+        vp = own + kstride;
+      }
+      for (long tile = t_lo; tile < t_hi; tile++) {
         long i0 = tile * KA_QT;
         long rows = L - i0 < KA_QT ? L - i0 : KA_QT;
         long panels = (rows + KA_PR - 1) / KA_PR;
@@ -324,19 +374,28 @@ static int ka_attention_512(long B, long H, long L, long S, long E, long Ev, lon
         memset(lrow, 0, sizeof(float) * 16 * (size_t)(panels * KA_PR));
         memset(acc, 0, sizeof(float) * (size_t)(panels * KA_PR * evw));
         long send = causal ? (i0 + rows < S ? i0 + rows : S) : S;
+        const float *qtile = qf;
+        long qld = E;
+        if (bf) {
+          for (long r = 0; r < rows; r++)
+            for (long e = 0; e < E; e++) qf[r * E + e] = ka_ld(q, b * qb + h * qh + (i0 + r) * ql + e, 1);
+        } else {
+          qtile = (const float *)q + b * qb + h * qh + i0 * ql;
+          qld = ql;
+        }
         for (long j0 = 0; j0 < send; j0 += KA_BK) {
           long w = send - j0 < KA_BK ? send - j0 : KA_BK;
           const float *kblk = kp + (j0 / KA_BK) * E * KA_BK;
           for (long mp = 0; mp < panels; mp++) {
             long r0 = mp * KA_PR, pr = rows - r0 < KA_PR ? rows - r0 : KA_PR;
             if (causal && j0 > i0 + r0 + pr - 1) continue;  /* no row of this panel sees the block */
-            const float *qt = q + b * qb + h * qh + (i0 + r0) * ql;
+            const float *qt = qtile + r0 * qld;
             float *sp = pbuf + r0 * KA_BK;
             switch ((w + 15) / 16) {  /* only the vectors of keys the block has */
-              case 4: ka_s16(4, E, qt, ql, pr, kblk, sp); break;
-              case 3: ka_s16(3, E, qt, ql, pr, kblk, sp); break;
-              case 2: ka_s16(2, E, qt, ql, pr, kblk, sp); break;
-              default: ka_s16(1, E, qt, ql, pr, kblk, sp); break;
+              case 4: ka_s16(4, E, qt, qld, pr, kblk, sp); break;
+              case 3: ka_s16(3, E, qt, qld, pr, kblk, sp); break;
+              case 2: ka_s16(2, E, qt, qld, pr, kblk, sp); break;
+              default: ka_s16(1, E, qt, qld, pr, kblk, sp); break;
             }
             for (long r = 0; r < KA_PR; r++) {
               long i = i0 + r0 + r, lim = r < pr ? w : 0;
@@ -365,22 +424,52 @@ static int ka_attention_512(long B, long H, long L, long S, long E, long Ev, lon
             }
           }
         }
-        float *ot = o + b * ob + h * oh + i0 * ol;
+        long ot = b * ob + h * oh + i0 * ol;
         for (long r = 0; r < rows; r++) {
           float l = _mm512_reduce_add_ps(_mm512_loadu_ps(lrow + r * 16));
           float inv = l > 0.0f ? 1.0f / l : 0.0f;
           const float *ar = acc + r * evw;
-          float *orow = ot + r * ol;
-          #pragma omp simd
-          for (long e = 0; e < Ev; e++) orow[e] = ar[e] * inv;
+          if (bf) {
+            unsigned short *orow = (unsigned short *)o + ot + r * ol;
+            for (long e = 0; e < Ev; e++) orow[e] = ka_f2bf(ar[e] * inv);
+          } else {
+            float *orow = (float *)o + ot + r * ol;
+            #pragma omp simd
+            for (long e = 0; e < Ev; e++) orow[e] = ar[e] * inv;
+          }
         }
       }
     }
     free(acc);
+    free(qf);
   }
   return failed;
 }
 #endif
+
+/* The bfloat16 entry (q, k, v, o bf16; the mask as in kiln_attention_f32), on CPUs with
+   AVX-512 only; kiln_attention_has_bf16() says whether this build has it. */
+int kiln_attention_has_bf16(void) {
+#ifdef KA_AVX512
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+int kiln_attention_bf16(long B, long H, long L, long S, long E, long Ev, long group,
+                        const void *q, long qb, long qh, long ql,
+                        const void *k, long kb, long kh, long ks,
+                        const void *v, long vb, long vh, long vs,
+                        const void *mask, int mkind, long mb, long mh, long ml, long ms,
+                        int causal, float scale, void *o, long ob, long oh, long ol, int nthreads) {
+#ifdef KA_AVX512
+  return ka_attention_512(B, H, L, S, E, Ev, group, q, qb, qh, ql, k, kb, kh, ks, v, vb, vh, vs, mask, mkind,
+                          mb, mh, ml, ms, causal, scale, o, ob, oh, ol, nthreads, 1);
+#else
+  return 2;  /* not built for this CPU */
+#endif
+}
 """
 
 _ENTRY = r"""/* out[b,h,i,:] = softmax_j(q[b,h,i,:] . k[b,h/group,j,:] * scale + mask[b,h,i,j]) v[b,h/group,j,:]
@@ -394,7 +483,7 @@ int kiln_attention_f32(long B, long H, long L, long S, long E, long Ev, long gro
                        int causal, float scale, float *o, long ob, long oh, long ol, int nthreads) {
 #ifdef KA_AVX512
   return ka_attention_512(B, H, L, S, E, Ev, group, q, qb, qh, ql, k, kb, kh, ks, v, vb, vh, vs, mask, mkind,
-                          mb, mh, ml, ms, causal, scale, o, ob, oh, ol, nthreads);
+                          mb, mh, ml, ms, causal, scale, o, ob, oh, ol, nthreads, 0);
 #endif
   long tiles = (L + KA_QT - 1) / KA_QT;
   /* a task is one (batch, head) and a chunk of its query tiles; the keys it reads are
