@@ -52,6 +52,7 @@ not on contiguous copies.
 from __future__ import annotations
 
 import ctypes
+import functools
 import math
 from collections.abc import Sequence
 
@@ -73,6 +74,7 @@ _ARGTYPES = ([ctypes.c_long] * 7 + [ctypes.c_void_p] + [ctypes.c_long] * 3 + [ct
              + [ctypes.c_int, ctypes.c_float, ctypes.c_void_p] + [ctypes.c_long] * 3 + [ctypes.c_int])
 
 
+@functools.lru_cache(maxsize=None)
 def kernel(dtype: torch.dtype = torch.float32) -> ctypes._CFuncPtr | None:
     """The loaded kernel for ``dtype`` (``kiln_attention_f32``, or ``kiln_attention_bf16``
     on CPUs with AVX-512), or ``None`` without a working C compiler or such a kernel."""

@@ -212,17 +212,15 @@ class CpuPartitioner(Partitioner):
             return LibraryCall(kcall, False, label, channels_last=True, native=kcall), computed, reads
         residual = None
         if isinstance(call.function, PackedConv):
-            nodes, act, residual = conv_epilogue(body, computed[-1])
-            if residual is not None and act in POST_OPS and residual.type.rank == 4 and residual in operand:
+            nodes, act, found = conv_epilogue(body, computed[-1])
+            if found is not None and act in POST_OPS and found.type.rank == 4 and found in operand:
+                residual = found
                 call = conv_call(anchor, persistent, act)  # the sum (and ReLU) in oneDNN's call
                 computed += nodes
                 reads.append(residual)
             elif chain and chain[0].op_name == "relu":
-                residual = None
                 call = conv_call(anchor, persistent, "relu")
                 computed.append(chain.pop(0))
-            else:
-                residual = None
         if len(computed) == 1:
             return None
         fn = call.function
