@@ -92,6 +92,28 @@ def test_direct_kernel_applies_residual_and_activation_in_its_stores(act, cout):
     assert ((got - want).abs().max() / want.abs().max()).item() <= 1e-4
 
 
+@pytest.mark.parametrize("act", ACTIVATIONS)
+@pytest.mark.parametrize("cin,cout,hw", [(16, 16, (23, 5)), (24, 72, (7, 7)), (40, 88, (3, 1)), (3, 1000, (5, 5)),
+                                         (96, 40, (1, 1)), (17, 33, (9, 11)), (600, 48, (4, 7))])
+def test_pointwise_kernel_applies_residual_and_activation_in_its_stores(act, cin, cout, hw):
+    """The 1x1 channels-last kernel (one register block of rows x up to 64 channels for the
+    whole reduction, the epilogue before its only store): every block width (1-4 vectors,
+    masked tails), row counts that leave partial blocks (M = 1, 3, 35, 49, 99, 115), K from 3
+    to 600."""
+    g = torch.Generator().manual_seed(cin * cout)
+    x = torch.randn(1, cin, *hw, generator=g).contiguous(memory_format=torch.channels_last)
+    w, b = torch.randn(cout, cin, 1, 1, generator=g), torch.randn(cout, generator=g)
+    want = F.conv2d(x, w, b)
+    residual = torch.randn(want.shape, generator=g).contiguous(memory_format=torch.channels_last)
+    want = {"none": lambda t: t, "relu": F.relu, "relu6": F.relu6, "hardswish": F.hardswish}[act](want + residual)
+    got = KilnConv2d("gemm", (1, 1), (0, 0), (1, 1), 1, act=act)(x, w, b, residual)
+    assert ((got - want).abs().max() / want.abs().max()).item() <= 1e-4
+    got = KilnConv2d("gemm", (1, 1), (0, 0), (1, 1), 1, act=act)(x, w, None, residual)
+    want_nb = {"none": lambda t: t, "relu": F.relu, "relu6": F.relu6, "hardswish": F.hardswish}[act](
+        F.conv2d(x, w) + residual)
+    assert ((got - want_nb).abs().max() / want_nb.abs().max()).item() <= 1e-4
+
+
 def test_one_kernel_object_serves_calls_of_several_layouts_and_shapes():
     """A convolution object plans each operand signature (shapes, strides, dtypes) once:
     NCHW and channels-last inputs, another batch size, a non-contiguous float64 bias, and a
@@ -232,3 +254,27 @@ def test_compiled_conv_net_runs_kiln_kernels(monkeypatch):
                 labels = " ".join(compiled.executable.plan.workspace().labels)
                 assert compiled.executable.info["foreign_kernels"] == 4
                 assert labels.count("kiln gemm convolution") == 3 and labels.count("kiln depthwise convolution") == 1
+
+
+def test_choice_is_timed_on_the_input_layout_of_the_plan(monkeypatch):
+    """A convolution whose input is a kiln convolution's (channels-last) result is timed,
+    and its choice stored, on a channels-last input: a 1x1 GEMM reads that layout in place,
+    so its cost differs from an NCHW input's.  The first convolution reads the NCHW graph
+    input and is timed on it."""
+    seen: list[str] = []
+    chooser = conv_module._CHOOSER
+
+    def choose(signature, kiln_fn, library_fn):
+        seen.append(signature)
+        return "kiln"
+    monkeypatch.setattr(chooser, "choose", choose)
+    model = nn.Sequential(nn.Conv2d(4, 6, 1), nn.ReLU(), nn.Conv2d(6, 5, 1)).eval()
+    x = torch.randn(1, 4, 7, 7)
+    with torch.no_grad():
+        compiled = kiln.compile(model, (x,), cache=False)
+        assert _rel(compiled(x), model(x)) <= 1e-4
+    first = [s for s in seen if "(6, 4, 1, 1)" in s]
+    second = [s for s in seen if "(5, 6, 1, 1)" in s]
+    assert first and second
+    assert all(not s.endswith("channels-last") for s in first)
+    assert all(s.endswith("channels-last") for s in second)

@@ -10,8 +10,11 @@ through convolution chains (:mod:`.partition`); their C is :mod:`.conv_source`:
   the weight, ``K x Cout`` with ``K = C*KH*KW``, is the B operand in 16-column panels (packed
   once, again only when the parameter changes); the A operand is never materialized.  For a
   1x1 stride-1 convolution of a contiguous channels-last input, A *is* the input (``M x C``,
-  row stride ``C``) and the micro-kernel broadcasts from six input rows in place (a 6x16
-  tile with AVX2, a 6x32 one over two panels with AVX-512), with no packing at all;
+  row stride ``C``), read in place with no packing at all: with AVX-512 by
+  :mod:`.conv_1x1_source`'s kernel (one block of 6-12 rows x up to 64 channels in registers
+  for the whole reduction, the epilogue applied to the registers before the only store;
+  MobileNet's 1x1 layers 13-23% faster than through the tiles below), with AVX2 by the
+  micro-kernel broadcasting from six input rows (6x16 tiles);
   otherwise the packing of each block of A into micro-panels -- which every GEMM of
   :mod:`.microgemm` does (``256 x 96`` blocks of 6 rows, ``256 x 144`` blocks of 12 rows
   with AVX-512) -- reads the input windows directly (per-block tables of the
@@ -278,6 +281,11 @@ def conv2d(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, *, s
     return KilnConv2d(kernel_kind, _pair(stride), _pair(padding), _pair(dilation), groups)(x, w, b)
 
 
+def _channels_last_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    n, c, h, w = shape
+    return (h * w * c, 1, w * c, c)
+
+
 def _pair(v) -> tuple[int, int]:
     return (v, v) if isinstance(v, int) else tuple(v)
 
@@ -285,10 +293,13 @@ def _pair(v) -> tuple[int, int]:
 _CHOOSER = KernelChooser("conv2d", source=SOURCE)
 
 
-def native_conv(node: Node, library: Callable[..., torch.Tensor]) -> LibraryCall | None:
+def native_conv(node: Node, library: Callable[..., torch.Tensor],
+                input_strides: tuple[int, ...] | None = None) -> LibraryCall | None:
     """kiln's kernel for the 2-d float32 convolution ``node`` when one applies and measures
     faster than ``library`` (the oneDNN call) on random inputs of the node's shapes; else
-    ``None``."""
+    ``None``.  The input is timed channels-last where ``input_strides`` (those the compiled
+    graph passes) are, and for a depthwise kernel (which reads only that layout: the plan
+    copies any other into it); NCHW otherwise."""
     a = node.attrs
     x_type, w_type = node.inputs[0].type, node.inputs[1].type
     shapes = [tuple(v.shape) for v in node.inputs]
@@ -303,10 +314,14 @@ def native_conv(node: Node, library: Callable[..., torch.Tensor]) -> LibraryCall
     gen = torch.Generator().manual_seed(0)
     with torch.inference_mode(False):  # like parameters: tensors with version counters
         x = torch.randn(shapes[0], generator=gen)
-        if kernel_kind == "depthwise":  # inside a conv chain the input is channels-last
+        # the layout changes both sides' costs: a 1x1 GEMM reads a channels-last input in place
+        channels_last = kernel_kind == "depthwise" or (
+            input_strides is not None and tuple(input_strides) == _channels_last_strides(shapes[0]))
+        if channels_last:
             x = x.contiguous(memory_format=torch.channels_last)
         args = [x] + [torch.randn(s, generator=gen) for s in shapes[1:]]
-    signature = f"{kernel_kind} {shapes} stride={stride} padding={padding} dilation={dilation} groups={groups}"
+    signature = (f"{kernel_kind} {shapes} stride={stride} padding={padding} dilation={dilation} groups={groups}"
+                 + (" channels-last" if channels_last else ""))
     with torch.inference_mode():
         choice = _CHOOSER.choose(signature, lambda: conv(*args), lambda: library(*args))
     if choice != "kiln":

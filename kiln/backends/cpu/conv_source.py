@@ -7,6 +7,7 @@ pointers in one array each."""
 from __future__ import annotations
 
 from . import microgemm
+from .conv_1x1_source import PW_SOURCE
 from .conv_dw_source import DW_SOURCE
 
 _GEMM = r"""
@@ -147,6 +148,9 @@ typedef struct {
   float *out;
   int checks, inplace, act;
 } kcg_t;
+#ifdef KMG_AVX512
+static int kcp_inplace(const kcg_t *g, int nthreads); /* conv_1x1_source.py */
+#endif
 
 /* the k -> (c, kh, kw) tables of the K block starting at pc, entries [k0, k1) */
 static inline void kcg_koff(const kcg_t *g, long pc, long k0, long k1, long *koff, long *kdh, long *kdw) {
@@ -274,6 +278,9 @@ int kiln_conv_gemm_f32(long N, long C, long H, long W, long OH, long OW, long KH
                 && (N == 1 || xn == H * W * C);
   kcg_t g = {N, C, H, W, OH, OW, KH, KW, sh, sw, ph, pw, dh, dw, xn, xc, xh, xw, M, K, Cout, panels,
              x, Bp, bias, res, out, checks, inplace, act};
+#ifdef KMG_AVX512
+  if (inplace) return kcp_inplace(&g, nthreads);
+#endif
   long mc_max = M < KMG_MC ? M : KMG_MC, kc_max = K < KMG_KC ? K : KMG_KC;
   long mc_rounded = (mc_max + KMG_MR - 1) / KMG_MR * KMG_MR;
   int failed = 0;
@@ -510,6 +517,6 @@ void kiln_conv_k(void *const *p) {
 }
 """
 
-SOURCE = microgemm.SOURCE + _GEMM + DW_SOURCE + _DIRECT
+SOURCE = microgemm.SOURCE + _GEMM + PW_SOURCE + DW_SOURCE + _DIRECT
 
 __all__ = ["SOURCE"]

@@ -77,11 +77,13 @@ def _matmul(node: Node, persistent: Sequence[bool] = ()) -> LibraryCall:
 _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 
 
-def conv_call(node: Node, persistent: Sequence[bool] = (), post: str = "none") -> LibraryCall:
+def conv_call(node: Node, persistent: Sequence[bool] = (), post: str = "none",
+              strides: Sequence[tuple[int, ...] | None] | None = None) -> LibraryCall:
     """The library call of a ``conv`` node; ``post`` (one of
     :data:`~kiln.backends.cpu.packed_conv.POST_OPS`) is applied to its result inside the
     call when the call is a :class:`~kiln.backends.cpu.packed_conv.PackedConv` (the caller
-    checks ``call.function``)."""
+    checks ``call.function``).  ``strides[0]``, where given, are the input's element strides
+    in the compiled graph: kiln's kernels and oneDNN are timed on that layout."""
     a = node.attrs
     spatial = len(a["stride"])
     conv = _CONV.get(spatial)
@@ -95,7 +97,8 @@ def conv_call(node: Node, persistent: Sequence[bool] = (), post: str = "none") -
             and persistent[1] and node.inputs[0].type.is_static):
         packed = PackedConv(tuple(node.inputs[0].shape), stride, padding, dilation, groups, post)
         # kiln's own depthwise / 1x1 / patchify kernels where they measure faster (.conv)
-        native = native_conv(node, packed) if spatial == 2 and post == "none" else None
+        x_strides = strides[0] if strides else None
+        native = native_conv(node, packed, x_strides) if spatial == 2 and post == "none" else None
         if native is not None:  # also a foreign kernel of native runs (.conv_plan)
             return replace(native, native=KilnConvCall(native.function, tuple(node.inputs[1].shape),
                                                        len(node.inputs) > 2))
@@ -297,11 +300,11 @@ def library_name(node: Node) -> str | None:
     return name
 
 
-STRIDED = frozenset({"scaled_dot_product_attention"})
+STRIDED = frozenset({"scaled_dot_product_attention", "conv"})
 """Ops whose library-call builder also takes the operands' element strides (``strides=``):
 it times its candidates on operands laid out as the compiled graph will pass them (the
-attention of a transformer reads views of one projection, whose costs differ from those of
-contiguous tensors)."""
+attention of a transformer reads views of one projection, a convolution inside a conv chain
+reads a channels-last input: their costs differ from those of contiguous tensors)."""
 
 
 def library_call(node: Node, persistent: Sequence[bool] = (),

@@ -187,7 +187,9 @@ class CpuPartitioner(Partitioner):
         persistent = self.persistent([operand[v] for v in anchor.inputs])
         if len(persistent) < 2 or not persistent[1] or not all(persistent[2:]):
             return None
-        call = conv_call(anchor, persistent)  # kiln's own kernel or oneDNN, by measurement
+        x = operand[anchor.inputs[0]]
+        strides = [None if x.meta is None else tuple(x.meta.stride())]
+        call = conv_call(anchor, persistent, strides=strides)  # kiln's own kernel or oneDNN, by measurement
         native = call.native is not None and self.foreign and self.sample is None
         chain = _epilogue_chain(body, anchor)
         computed, reads, eps = [anchor], list(anchor.inputs), None
@@ -215,11 +217,11 @@ class CpuPartitioner(Partitioner):
             nodes, act, found = conv_epilogue(body, computed[-1])
             if found is not None and act in POST_OPS and found.type.rank == 4 and found in operand:
                 residual = found
-                call = conv_call(anchor, persistent, act)  # the sum (and ReLU) in oneDNN's call
+                call = conv_call(anchor, persistent, act, strides)  # the sum (and ReLU) in oneDNN's call
                 computed += nodes
                 reads.append(residual)
             elif chain and chain[0].op_name == "relu":
-                call = conv_call(anchor, persistent, "relu")
+                call = conv_call(anchor, persistent, "relu", strides)
                 computed.append(chain.pop(0))
         if len(computed) == 1:
             return None

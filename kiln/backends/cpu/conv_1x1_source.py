@@ -1,0 +1,109 @@
+"""The C source of kiln's AVX-512 kernel for 1x1 stride-1 convolutions of channels-last
+inputs (:mod:`.conv` documents the kinds), part of :data:`.conv_source.SOURCE` (after the
+GEMM convolution's helpers, whose ``kiln_conv_gemm_f32`` calls it).
+
+Such a convolution is the GEMM ``out[M][Cout] = x[M][C] @ W[C][Cout]`` with the input itself
+as A.  In a MobileNet-style net its K (the input channels, 16-96) and its N (the output
+channels, 16-96 for half the layers) are small: a blocked GEMM that stores each tile and
+then passes over it again for the epilogue spends as much time on stores, reloads and tile
+edges as on FMAs.  This kernel keeps one block of rows x up to 64 output channels in
+registers for the whole reduction and applies ``act(acc + bias + residual)`` to the
+registers before the only store (masked for the channel tail), so a block's result is
+written once.  Rows per block follow the block's width (12 rows of 16 or 32 channels, 8 of
+48, 6 of 64: 12-24 accumulators, each broadcast of an input value feeding 1-4 FMAs).
+Threads split the blocks, chunk by chunk of 64 channels, into runs of equal cost."""
+
+from __future__ import annotations
+
+PW_SOURCE = r"""
+/* ------------------------------------------------------------------ 1x1, in place, AVX-512 */
+#ifdef KMG_AVX512
+/* c[R rows][16 NV] = act(a[R rows][K] @ B + bias + res), B in 16-column panels (panel v at
+   bp + v * pstride, row k at + k * 16); rows past `rows` read row 0 again and are not stored;
+   the last vector's columns masked by mlast */
+static inline __attribute__((always_inline)) void kcp_block(
+    const float *a, long lda, long rows, long K, const float *bp, long pstride, const float *bias,
+    const float *res, float *c, long ldc, int act, __mmask16 mlast, const int NV, const int R) {
+  __m512 acc[12][4];
+  const float *ar[12];
+  _Pragma("GCC unroll 12") for (int r = 0; r < R; r++) ar[r] = a + (r < rows ? r : 0) * lda;
+  _Pragma("GCC unroll 12") for (int r = 0; r < R; r++)
+    _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++) acc[r][v] = _mm512_setzero_ps();
+  for (long k = 0; k < K; k++) {
+    __m512 b[4];
+    _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++) b[v] = _mm512_loadu_ps(bp + v * pstride + k * 16);
+    _Pragma("GCC unroll 12") for (int r = 0; r < R; r++) {
+      __m512 x = _mm512_set1_ps(ar[r][k]);
+      _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++) acc[r][v] = _mm512_fmadd_ps(x, b[v], acc[r][v]);
+    }
+  }
+  _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++) {
+    __mmask16 m = v == NV - 1 ? mlast : (__mmask16)0xFFFF;
+    __m512 bv = bias ? _mm512_maskz_loadu_ps(m, bias + v * 16) : _mm512_setzero_ps();
+    _Pragma("GCC unroll 12") for (int r = 0; r < R; r++) {
+      if (r >= rows) break;
+      __m512 y = _mm512_add_ps(acc[r][v], bv);
+      if (res) y = _mm512_add_ps(y, _mm512_maskz_loadu_ps(m, res + r * ldc + v * 16));
+      _mm512_mask_storeu_ps(c + r * ldc + v * 16, m, kcv_act16(y, act));
+    }
+  }
+}
+
+/* rows per block of a block nv vectors wide: 12-24 accumulators */
+static inline long kcp_rows_of(long nv) { return nv == 4 ? 6 : nv == 3 ? 8 : 12; }
+
+/* one block: the rows [m, m + R) (fewer at the end) x the columns [n0, n0 + 16 nv) */
+static void kcp_one(const kcg_t *g, long m, long n0, long nv) {
+  long C = g->C, K = g->K, Cout = g->Cout, M = g->M, pstride = K * KMG_NR, R = kcp_rows_of(nv);
+  long tail = Cout - (n0 + 16 * (nv - 1)), rows = M - m < R ? M - m : R;
+  __mmask16 mlast = tail >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << tail) - 1u);
+  const float *bp = g->Bp + (n0 / KMG_NR) * pstride, *bias = g->bias ? g->bias + n0 : 0;
+  const float *a = g->x + m * C, *res = g->res ? g->res + m * Cout + n0 : 0;
+  float *c = g->out + m * Cout + n0;
+  switch (nv) {
+    case 4: kcp_block(a, C, rows, K, bp, pstride, bias, res, c, Cout, g->act, mlast, 4, 6); break;
+    case 3: kcp_block(a, C, rows, K, bp, pstride, bias, res, c, Cout, g->act, mlast, 3, 8); break;
+    case 2: kcp_block(a, C, rows, K, bp, pstride, bias, res, c, Cout, g->act, mlast, 2, 12); break;
+    default: kcp_block(a, C, rows, K, bp, pstride, bias, res, c, Cout, g->act, mlast, 1, 12); break;
+  }
+}
+
+/* the whole convolution: blocks in chunk-major order (a chunk of 64 channels, then its row
+   blocks: the chunk's weight panels stay in L1), each thread a contiguous run of blocks of
+   equal cost (rows x vectors computed, a last partial block counted whole) */
+static int kcp_inplace(const kcg_t *g, int nthreads) {
+  long M = g->M, vectors = (g->Cout + 15) / 16;
+  long full = vectors / 4, last_nv = vectors - 4 * full;           /* last_nv 0: all chunks full */
+  long blocks_full = (M + 5) / 6, blocks_last = last_nv ? (M + kcp_rows_of(last_nv) - 1) / kcp_rows_of(last_nv) : 0;
+  double cost_full = 24.0, cost_last = last_nv ? (double)(kcp_rows_of(last_nv) * last_nv) : 0.0;
+  double total = full * blocks_full * cost_full + blocks_last * cost_last;
+  #pragma omp parallel num_threads(nthreads)
+  {
+#ifdef _OPENMP
+    long t = omp_get_thread_num(), T = omp_get_num_threads();
+#else
+    long t = 0, T = 1;
+#endif
+    double lo = total * t / T, hi = total * (t + 1) / T;
+    /* block i of the full chunks spans the costs [i, i + 1) * cost_full, then the last chunk's:
+       each thread takes the blocks whose start rounds into its share (the runs meet exactly) */
+    long nf = full * blocks_full;
+    long i0 = (long)(lo / cost_full + 0.5), i1 = (long)(hi / cost_full + 0.5);
+    if (i0 > nf) i0 = nf;
+    if (i1 > nf) i1 = nf;
+    for (long i = i0; i < i1; i++) kcp_one(g, (i % blocks_full) * 6, (i / blocks_full) * 64, 4);
+    if (last_nv) {
+      double base = nf * cost_full;
+      long j0 = lo <= base ? 0 : (long)((lo - base) / cost_last + 0.5);
+      long j1 = hi <= base ? 0 : (long)((hi - base) / cost_last + 0.5);
+      if (t == T - 1) j1 = blocks_last;
+      if (j1 > blocks_last) j1 = blocks_last;
+      for (long j = j0; j < j1; j++) kcp_one(g, j * kcp_rows_of(last_nv), full * 64, last_nv);
+    }
+  }
+  return 0;
+}
+#endif
+"""
+
+__all__ = ["PW_SOURCE"]
