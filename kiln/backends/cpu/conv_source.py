@@ -13,7 +13,9 @@ from .conv_dw_source import DW_SOURCE
 _GEMM = r"""
 /* ------------------------------------------------------------------ post-ops */
 /* The epilogue of every kernel, on a value still in registers: y = act(acc + bias + residual),
-   act 0 none, 1 relu, 2 relu6, 3 hardswish (y * min(max(y + 3, 0), 6) / 6, torch's order). */
+   act 0 none, 1 relu, 2 relu6, 3 hardswish (y * min(max(y + 3, 0), 6) / 6, torch's order, with
+   the division a multiplication by 1/6: within an ulp of torch's, and a vector division costs
+   as much as the 1x1 kernel's whole reduction at 16 input channels). */
 static inline float kcv_act1(float y, int act) {
   if (act == 1) return y > 0.0f ? y : 0.0f;
   if (act == 2) return y > 0.0f ? (y < 6.0f ? y : 6.0f) : 0.0f;
@@ -27,7 +29,7 @@ static inline __m512 kcv_act16(__m512 y, int act) {
   if (act == 1) return _mm512_max_ps(y, z);
   if (act == 2) return _mm512_min_ps(_mm512_max_ps(y, z), six);
   __m512 t = _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(y, _mm512_set1_ps(3.0f)), z), six);
-  return _mm512_div_ps(_mm512_mul_ps(y, t), six);
+  return _mm512_mul_ps(_mm512_mul_ps(y, t), _mm512_set1_ps(1.0f / 6.0f));
 }
 #endif
 #ifdef KMG_AVX2
@@ -37,7 +39,7 @@ static inline __m256 kcv_act8(__m256 y, int act) {
   if (act == 1) return _mm256_max_ps(y, z);
   if (act == 2) return _mm256_min_ps(_mm256_max_ps(y, z), six);
   __m256 t = _mm256_min_ps(_mm256_max_ps(_mm256_add_ps(y, _mm256_set1_ps(3.0f)), z), six);
-  return _mm256_div_ps(_mm256_mul_ps(y, t), six);
+  return _mm256_mul_ps(_mm256_mul_ps(y, t), _mm256_set1_ps(1.0f / 6.0f));
 }
 #endif
 /* c[0..w) = act(c + bias[0..w) + res[0..w)), bias and res optional: one row of a tile, in cache */
