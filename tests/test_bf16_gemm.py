@@ -39,6 +39,7 @@ def _close_bf16(out: torch.Tensor, ref: torch.Tensor, what: str) -> None:
 
 
 SIZES = [(1, 1, 1), (3, 17, 5), (17, 1000, 3), (1, 1000, 1000), (13, 33, 257), (25, 48, 513), (100, 31, 600),
+         (4, 70, 33), (2, 65, 768), (5, 19, 7),  # the few-rows path (M <= 4) and just past it
          (1000, 17, 3), (3, 1, 1000)]
 
 
@@ -65,14 +66,15 @@ def test_the_bf16_kernel_at_odd_sizes_matches_float32_products(micro, m, n, k, p
     _close_bf16(c, a.float() @ b.float(), f"{m}x{k} @ {k}x{n}")
 
 
-def test_a_strided_left_operand_and_a_wider_result_row(micro):
+@pytest.mark.parametrize("m,k", [(7, 300), (3, 301), (1, 5)])  # the tiles, the few-rows path (odd K)
+def test_a_strided_left_operand_and_a_wider_result_row(micro, m, k):
     """A read through strides (a transposed view) and C rows longer than N (``ldc``)."""
     if not _native(micro):
         pytest.skip("this CPU has no AVX-512 BF16")
-    a = torch.randn(300, 7).bfloat16().T  # 7 x 300, column-major
-    b = torch.randn(300, 40).bfloat16()
-    c = torch.zeros(7, 64, dtype=torch.bfloat16)
-    assert micro.bf16.gemm(7, 40, 300, a.data_ptr(), a.stride(0), a.stride(1), b.data_ptr(), b.stride(0),
+    a = torch.randn(k, m).bfloat16().T  # m x k, column-major
+    b = torch.randn(k, 40).bfloat16()
+    c = torch.zeros(m, 64, dtype=torch.bfloat16)
+    assert micro.bf16.gemm(m, 40, k, a.data_ptr(), a.stride(0), a.stride(1), b.data_ptr(), b.stride(0),
                            b.stride(1), False, c.data_ptr(), 64) == 0
     _close_bf16(c[:, :40], a.float() @ b.float(), "strided A")
     assert (c[:, 40:] == 0).all(), "columns past N were written"
