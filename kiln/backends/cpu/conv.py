@@ -12,7 +12,8 @@ through convolution chains (:mod:`.partition`); their C is :mod:`.conv_source`:
   1x1 stride-1 convolution of a contiguous channels-last input, A *is* the input (``M x C``,
   row stride ``C``), read in place with no packing at all: with AVX-512 by
   :mod:`.conv_1x1_source`'s kernel (one block of 6-12 rows x up to 64 channels in registers
-  for the whole reduction, the epilogue applied to the registers before the only store;
+  for the whole reduction, the epilogue applied to the registers before the only store,
+  each thread a range of rows with all their channels, which the next layer's thread reads;
   MobileNet's 1x1 layers 13-23% faster than through the tiles below), with AVX2 by the
   micro-kernel broadcasting from six input rows (6x16 tiles);
   otherwise the packing of each block of A into micro-panels -- which every GEMM of

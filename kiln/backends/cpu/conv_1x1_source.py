@@ -11,7 +11,7 @@ registers for the whole reduction and applies ``act(acc + bias + residual)`` to 
 registers before the only store (masked for the channel tail), so a block's result is
 written once.  Rows per block follow the block's width (12 rows of 16 or 32 channels, 8 of
 48, 6 of 64: 12-24 accumulators, each broadcast of an input value feeding 1-4 FMAs).
-Threads split the blocks, chunk by chunk of 64 channels, into runs of equal cost."""
+Each thread takes a range of rows with all their channels."""
 
 from __future__ import annotations
 
@@ -52,10 +52,10 @@ static inline __attribute__((always_inline)) void kcp_block(
 /* rows per block of a block nv vectors wide: 12-24 accumulators */
 static inline long kcp_rows_of(long nv) { return nv == 4 ? 6 : nv == 3 ? 8 : 12; }
 
-/* one block: the rows [m, m + R) (fewer at the end) x the columns [n0, n0 + 16 nv) */
-static void kcp_one(const kcg_t *g, long m, long n0, long nv) {
-  long C = g->C, K = g->K, Cout = g->Cout, M = g->M, pstride = K * KMG_NR, R = kcp_rows_of(nv);
-  long tail = Cout - (n0 + 16 * (nv - 1)), rows = M - m < R ? M - m : R;
+/* one block: the rows [m, m + R) (fewer where m_end comes first) x the columns [n0, n0 + 16 nv) */
+static void kcp_one(const kcg_t *g, long m, long m_end, long n0, long nv) {
+  long C = g->C, K = g->K, Cout = g->Cout, pstride = K * KMG_NR, R = kcp_rows_of(nv);
+  long tail = Cout - (n0 + 16 * (nv - 1)), rows = m_end - m < R ? m_end - m : R;
   __mmask16 mlast = tail >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << tail) - 1u);
   const float *bp = g->Bp + (n0 / KMG_NR) * pstride, *bias = g->bias ? g->bias + n0 : 0;
   const float *a = g->x + m * C, *res = g->res ? g->res + m * Cout + n0 : 0;
@@ -68,15 +68,13 @@ static void kcp_one(const kcg_t *g, long m, long n0, long nv) {
   }
 }
 
-/* the whole convolution: blocks in chunk-major order (a chunk of 64 channels, then its row
-   blocks: the chunk's weight panels stay in L1), each thread a contiguous run of blocks of
-   equal cost (rows x vectors computed, a last partial block counted whole) */
+/* the whole convolution: each thread a range of rows (a multiple of 6), all their channels --
+   so the next layer, split by rows too, reads what its own thread wrote (a split by channel
+   chunks made the depthwise convolution after it 2-3x slower in the model: every pixel's
+   channels came from both cores) -- chunk by chunk of 64 channels (the chunk's weight panels
+   stay in L1), then block by block of rows */
 static int kcp_inplace(const kcg_t *g, int nthreads) {
-  long M = g->M, vectors = (g->Cout + 15) / 16;
-  long full = vectors / 4, last_nv = vectors - 4 * full;           /* last_nv 0: all chunks full */
-  long blocks_full = (M + 5) / 6, blocks_last = last_nv ? (M + kcp_rows_of(last_nv) - 1) / kcp_rows_of(last_nv) : 0;
-  double cost_full = 24.0, cost_last = last_nv ? (double)(kcp_rows_of(last_nv) * last_nv) : 0.0;
-  double total = full * blocks_full * cost_full + blocks_last * cost_last;
+  long M = g->M, vectors = (g->Cout + 15) / 16, chunks = (vectors + 3) / 4;
   #pragma omp parallel num_threads(nthreads)
   {
 #ifdef _OPENMP
@@ -84,21 +82,11 @@ static int kcp_inplace(const kcg_t *g, int nthreads) {
 #else
     long t = 0, T = 1;
 #endif
-    double lo = total * t / T, hi = total * (t + 1) / T;
-    /* block i of the full chunks spans the costs [i, i + 1) * cost_full, then the last chunk's:
-       each thread takes the blocks whose start rounds into its share (the runs meet exactly) */
-    long nf = full * blocks_full;
-    long i0 = (long)(lo / cost_full + 0.5), i1 = (long)(hi / cost_full + 0.5);
-    if (i0 > nf) i0 = nf;
-    if (i1 > nf) i1 = nf;
-    for (long i = i0; i < i1; i++) kcp_one(g, (i % blocks_full) * 6, (i / blocks_full) * 64, 4);
-    if (last_nv) {
-      double base = nf * cost_full;
-      long j0 = lo <= base ? 0 : (long)((lo - base) / cost_last + 0.5);
-      long j1 = hi <= base ? 0 : (long)((hi - base) / cost_last + 0.5);
-      if (t == T - 1) j1 = blocks_last;
-      if (j1 > blocks_last) j1 = blocks_last;
-      for (long j = j0; j < j1; j++) kcp_one(g, j * kcp_rows_of(last_nv), full * 64, last_nv);
+    long share = ((M + T - 1) / T + 5) / 6 * 6;
+    long lo = t * share, hi = lo + share < M ? lo + share : M;
+    for (long ch = 0; ch < chunks; ch++) {
+      long nv = vectors - 4 * ch < 4 ? vectors - 4 * ch : 4, R = kcp_rows_of(nv);
+      for (long m = lo; m < hi; m += R) kcp_one(g, m, hi, 64 * ch, nv);
     }
   }
   return 0;
