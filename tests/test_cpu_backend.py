@@ -114,6 +114,60 @@ graph @total(%x: f32[300, 1000]) {
     assert "#pragma omp parallel for" in exe.source and "reduction(+:" in exe.source
 
 
+def _innermost_reduction_loop(body, enclosing=None):
+    """The loop directly around the first ``+=`` statement of a loop program (or None)."""
+    from kiln.ir.loops.program import If, Loop, Reduce
+
+    for n in body:
+        if isinstance(n, Loop):
+            found = _innermost_reduction_loop(n.body, n)
+            if found is not None:
+                return found
+        elif isinstance(n, If):
+            found = _innermost_reduction_loop((*n.then, *n.orelse), enclosing)
+            if found is not None:
+                return found
+        elif isinstance(n, Reduce):
+            return enclosing
+    return None
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("rows,cols", [(2, 1), (3, 17), (17, 1000), (512, 1024), (1000, 3)])
+def test_sums_over_rows_run_along_the_rows(threads, rows, cols):
+    """A sum over rows with an epilogue (a bias gradient and its AdamW-like update): the
+    column loop is sunk below the row loop (split into blocks that run in parallel when it is
+    long), so the innermost loop of the reduction reads along a row; the epilogue still
+    sees the whole sum."""
+    from kiln.backends.cpu.codegen import sanitize_program
+    from kiln.backends.cpu.schedules import default_schedule
+    from kiln.ir.loops.expr import Load, free_vars, walk
+    from kiln.loops import Schedule
+    from kiln.passes.lower import lower_node
+
+    text = f"""
+graph @bias_grad(%g: f32[{rows}, {cols}], %m: f32[{cols}]) {{
+  %0: f32[{cols}] = sum(%g) {{dims=[0]}}
+  %1: f32[{cols}] = mul(%0, %0)
+  %2: f32[{cols}] = add(%m, %1)
+  %3: f32[{cols}] = sub(%0, %m)
+  return %2, %3
+}}"""
+    exe = check_against_reference(text, threads=threads)
+    fused = default_pipeline().run(ir.parse(text)).graph
+    (node,) = [n for n in fused.nodes if n.op.name == "fused"]
+    program, _ = sanitize_program(lower_node(node).program)
+    scheduled = default_schedule(program, "reduction", threads=threads)
+    assert Schedule.replay(program, scheduled.trace).verify()
+    if rows > 1 and cols > 1:
+        loop = _innermost_reduction_loop(scheduled.program.body)
+        loads = [e for s in loop.body for e in walk(s.value) if isinstance(e, Load)]
+        assert loads and all(loop.iterator in free_vars(e.indices[-1]) for e in loads), scheduled.program
+    if threads == 2 and cols >= 1000:
+        assert "split" in {s["primitive"] for s in scheduled.trace}
+        assert "#pragma omp parallel for" in exe.source
+
+
 @pytest.mark.parametrize("select", ["rule", "generated"])
 @pytest.mark.parametrize("m,k,n", [(1, 3, 17), (17, 1000, 3), (3, 17, 1)])
 def test_matmul_kernels(select, m, k, n):

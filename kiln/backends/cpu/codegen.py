@@ -175,12 +175,29 @@ def _const_extent(loop: Loop) -> int | None:
     return None
 
 
+def _extent_bound(loop: Loop) -> int | None:
+    """The loop's extent when its bounds are constant; for a constant lower bound and an
+    upper bound ``min(c, ...)`` (the last block of a ``split`` that does not divide its
+    loop), at most ``c - lower`` iterations; else ``None``."""
+    extent = _const_extent(loop)
+    if extent is not None or not isinstance(loop.lower, Const):
+        return extent
+    upper = loop.upper
+    if isinstance(upper, Binary) and upper.op == "min":
+        bound = next((int(e.value) for e in (upper.lhs, upper.rhs) if isinstance(e, Const)), None)
+        if bound is not None:
+            return max(0, -(-(bound - int(loop.lower.value)) // loop.step))
+    return None
+
+
 def nest_work(body: Sequence[Node]) -> int | None:
-    """Statement instances executed by ``body`` when every bound is constant, else ``None``."""
+    """Statement instances executed by ``body`` when every bound is constant (at most that
+    many where a loop's upper bound is the minimum of a constant and an expression), else
+    ``None``."""
     total = 0
     for n in body:
         if isinstance(n, Loop):
-            extent, inner = _const_extent(n), nest_work(n.body)
+            extent, inner = _extent_bound(n), nest_work(n.body)
             if extent is None or inner is None:
                 return None
             total += extent * inner

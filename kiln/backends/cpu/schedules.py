@@ -59,6 +59,8 @@ PARALLEL_MIN_WORK = 1 << 14
 MIN_PARALLEL_EXTENT = 8
 """A parallel loop shorter than this also marks its inner loop (collapsed region)."""
 MATMUL_TILE = (32, 32)
+COLUMN_BLOCK = 256
+"""Most cells per block of a sum over rows whose output loop is sunk (``_sink_strided_reductions``)."""
 
 
 @dataclass
@@ -151,7 +153,7 @@ def strategy_schedule(program: Program, kind: str, *, threads: int = 2,
         return ScheduledKernel(program, notes=[f"unscheduled: {e}"])
     notes: list[str] = []
     parallel: set[str] = set()
-    if kind not in ("matmul", "conv") and _sink_strided_reductions(schedule, program, notes):
+    if kind not in ("matmul", "conv") and _sink_strided_reductions(schedule, program, threads, notes):
         program = schedule.program(name=program.name)
     for nest in (n for n in program.body if isinstance(n, Loop)):
         if threads > 1:
@@ -218,8 +220,9 @@ def _moved_name(schedule: Any, loop: Loop) -> str:
 
 
 def _sink(schedule: Any, loop: Loop, nest: Loop, notes: list[str]) -> bool:
-    """``for j { init; nest }`` -> ``for j { init }  for k... { for j_b { ... } }``: fission
-    before the reduction ``nest``, then the second copy of ``j`` interchanged below each of
+    """``for j { init; nest; epilogue }`` -> ``for j { init }  for k... { for j_b { ... } }
+    for j_b_b { epilogue }``: fission before the reduction ``nest`` (and after it, when
+    statements follow it), then the copy of ``j`` around the nest interchanged below each of
     the nest's loops and vectorized.  Whether every step applied."""
     chain = [nest]
     while (inner := _only_loop(chain[-1])) is not None:
@@ -227,49 +230,79 @@ def _sink(schedule: Any, loop: Loop, nest: Loop, notes: list[str]) -> bool:
     if not _try(schedule, notes, "fission", loop=loop.name, split_before_child=nest.name):
         return False
     moved = _moved_name(schedule, loop)
+    if len(loop.body) > 2 and not _try(schedule, notes, "fission", loop=moved, split_before_child=1):
+        return False
     if not all(_try(schedule, notes, "interchange", a=moved, b=r.name) for r in chain):
         return False
     _try(schedule, notes, "vectorize", loop=moved)
     return True
 
 
-def _sink_strided_reductions(schedule: Any, program: Program, notes: list[str]) -> bool:
+def _sink_strided_reductions(schedule: Any, program: Program, threads: int, notes: list[str]) -> bool:
     """Reductions whose cells are contiguous along an output loop that their reduced loops
-    read across (a pooling window over a channels-last input: ``out[h][w][c] max= x[2h+i][2w+j][c]``
-    with the loops ``c, h, w`` outside ``i, j``): that output loop is moved innermost of the
-    output loops (``interchange``) and then below the reduction loops (as matmul-like nests,
+    read across: a pooling window over a channels-last input (``out[h][w][c] max= x[2h+i][2w+j][c]``
+    with the loops ``c, h, w`` outside ``i, j``), or a sum over rows (``out[j] += x[i][j]``,
+    a bias gradient).  That output loop is moved innermost of the output loops
+    (``interchange``) and then below the reduction loops (as matmul-like nests,
     :func:`_sink`), so the innermost loop runs along the contiguous axis and vectorizes.
-    Whether any nest changed."""
+    When it is the only output loop, it is first split into blocks of
+    :func:`_column_block` cells (``split``), so that the blocks stay outside and can run in
+    parallel.  Each nest's steps apply as one unit or not at all.  Whether any nest changed."""
     changed = False
     for outer in _cell_chains(program.body, []):
         last = outer[-1]
-        init, nest = last.body
+        init, nest = last.body[:2]
         cells = reduction_cells(nest)
         if cells is None or len(cells) != 1 or not init.indices:
             continue
         contiguous = init.indices[-1]
         iterators = [loop.iterator for loop in outer]
-        if not isinstance(contiguous, Var) or contiguous.name not in iterators[:-1]:
+        if not isinstance(contiguous, Var) or contiguous.name not in iterators:
             continue
         if not _reads_along(nest, contiguous.name):
             continue
         at = iterators.index(contiguous.name)
         target = outer[at]
+        snapshot = schedule.copy()
         if not all(_try(schedule, notes, "interchange", a=target.name, b=loop.name) for loop in outer[at + 1:]):
+            schedule.restore(snapshot)
             continue
         rotated = replace(target, body=last.body)
-        changed |= _sink(schedule, rotated, nest, notes)
+        extent = _const_extent(target)
+        block = _column_block(extent, threads) if len(outer) == 1 and extent is not None else None
+        if block is not None:
+            if not _try(schedule, notes, "split", loop=target.name, factor=block):
+                schedule.restore(snapshot)
+                continue
+            rotated = replace(rotated, name=f"{target.name}_i")
+        if _sink(schedule, rotated, nest, notes):
+            changed = True
+        else:
+            schedule.restore(snapshot)
     return changed
 
 
+def _column_block(extent: int, threads: int) -> int | None:
+    """Cells per block when a reduction's only output loop is sunk below its reduced loops:
+    at most :data:`COLUMN_BLOCK`, a multiple of 16, and a number of blocks that is a multiple
+    of ``threads`` where the extent allows; ``None`` when one block holds every cell."""
+    workers = max(1, threads)
+    blocks = workers * -(-extent // (workers * COLUMN_BLOCK))
+    block = -(-extent // blocks)
+    block = -(-block // 16) * 16
+    return block if block < extent else None
+
+
 def _cell_chains(body: tuple[Any, ...], chain: list[Loop]) -> Iterator[list[Loop]]:
-    """Each loop whose body is ``[initialization, reduction nest]``, with the perfectly nested
+    """Each loop whose body is ``[initialization, reduction nest, epilogue statements...]``
+    (the epilogue may be empty), with the perfectly nested
     loops around it (outer to inner, itself last)."""
     for n in body:
         if not isinstance(n, Loop):
             continue
         here = [*chain, n] if len(body) == 1 else [n]
-        if len(n.body) == 2 and isinstance(n.body[1], Loop) and not isinstance(n.body[0], (Loop, If)):
+        if len(n.body) >= 2 and isinstance(n.body[1], Loop) \
+                and not any(isinstance(c, (Loop, If)) for k, c in enumerate(n.body) if k != 1):
             yield here
         else:
             yield from _cell_chains(n.body, here)

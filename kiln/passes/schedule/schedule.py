@@ -117,6 +117,14 @@ class Schedule:
         other.trace = [dict(step) for step in self.trace]
         return other
 
+    def restore(self, snapshot: Schedule) -> Schedule:
+        """Go back to ``snapshot``, a :meth:`copy` of this schedule taken earlier: a strategy
+        that applies several steps as one unit undoes them all when one of them is refused."""
+        if snapshot.original is not self.original:
+            raise ScheduleError("restore: the snapshot is of another program")
+        self.__dict__.update(snapshot.copy().__dict__)
+        return self
+
     def loops(self) -> list[str]:
         """Loop (band) names, outer to inner, in program order."""
         return tree_ops.loop_names(self._tree)
