@@ -504,3 +504,39 @@ def test_the_docs_section_examples_run():
     namespace: dict = {"ir": ir, "np": np}
     for code in blocks:
         exec(compile(code, "docs/passes.md", "exec"), namespace)
+
+
+ONE_HOT = """
+graph @ce(%t: i64[64, 1], %w: f32[64, 1], %iota: i64[1, 1000], %x: f32[64, 1000]) {
+  %z: f32[] = const 0.0
+  %0: f32[] = sum(%w)
+  %1: f32[64, 1] = div(%w, %0)
+  %2: bool[64, 1000] = eq(%t, %iota)
+  %3: f32[64, 1000] = where(%2, %1, %z)
+  %4: f32[64, 1000] = CONSUMER
+  %5: f32[64, 1000] = sub(%4, %3)
+  return %5
+}"""
+
+
+def _group_with(groups: list, name: str) -> set[str]:
+    return next({o.name for n in g for o in n.outputs} for g in groups if any(o.name == name for n in g for o in n.outputs))
+
+
+def test_an_expansion_goes_to_its_consumer_not_its_producer():
+    """A one-hot built from small operands (a cross-entropy gradient) is recomputed inside
+    the kernel that consumes it, not stored by the kernel of the small reduction it reads."""
+    graph = ir.parse(ONE_HOT.replace("CONSUMER", "softmax(%x) {dim=1}"))
+    groups = partition(graph)
+    assert {"2", "3", "4", "5"} <= _group_with(groups, "4")
+    assert "3" not in _group_with(groups, "0")
+    assert_same_outputs(graph, Fuse().run(graph).graph)
+
+
+def test_an_expansion_no_consumer_takes_joins_its_producers():
+    graph = ir.parse(ONE_HOT.replace("CONSUMER", "matmul(%x, %m)").replace(
+        "%x: f32[64, 1000])", "%x: f32[64, 1000], %m: f32[1000, 1000])").replace(
+        "%5: f32[64, 1000] = sub(%4, %3)\n  return %5", "%5: f32[64, 1000] = matmul(%3, %m)\n  return %4, %5"))
+    groups = partition(graph)
+    assert {"0", "1", "2", "3"} <= _group_with(groups, "0")
+    assert_same_outputs(graph, Fuse().run(graph).graph)

@@ -34,6 +34,12 @@ producers (anchor groups first) whenever the merged group stays legal:
   - ``"none-across-reductions"``: a reduction ends its group: it takes an elementwise
     prologue but nothing inside the group consumes its result, one reduction per group.
 
+*Expansions* (:func:`_expansions`: an elementwise result at least :data:`EXPANSION_RATIO`
+times larger than each of its operands, such as the one-hot of a cross-entropy gradient)
+merge with their consumers instead of their producers, so the large tensor is recomputed
+inside the kernel that reads it rather than stored; an expansion that no consumer takes
+joins its producers after the walk, as any other node would have.
+
 Views join groups freely while they connect group members; views left at a group's border
 are moved back out (they cost nothing there).  A group becomes a ``fused`` node only if it
 holds at least two non-view nodes and a result used outside it (dead code is left to
@@ -62,6 +68,11 @@ from kiln.passes.base import Pass, PassResult, register_pass
 STRATEGIES = ("greedy", "elementwise-only", "none-across-reductions")
 INLINE_CONSTANT_ELEMENTS = INLINE_LIMIT
 """Constants up to this many elements are copied into bodies instead of passed in."""
+
+EXPANSION_RATIO = 16
+"""An elementwise result this many times larger than each of its operands is an expansion."""
+EXPANSION_MIN_ELEMENTS = 1 << 14
+"""Smaller results are never expansions (storing them costs little)."""
 
 ANCHORS = frozenset({"matmul", "conv", "reduction"})
 FREE = frozenset({"view", "creation"})
@@ -256,16 +267,23 @@ def partition(graph: Graph, max_nodes: int = 32, strategy: str = "greedy",
     """
     _check_options(max_nodes, strategy)
     part = _Partition(graph, max_nodes, strategy)
-    for node in graph.nodes:
-        if not part.groupable(node):
-            continue
-        producers = [p for p in _producers(node) if part.groupable(p)]
+    expanded = _expansions(graph, part.cls)
+
+    def visit(node: Node, only: set[Node] | None = None) -> None:
+        producers = [p for p in _producers(node) if part.groupable(p) and (only is None or p in only)]
         producers.sort(key=lambda p: part.cls[p] not in ANCHORS)  # anchor epilogues first
         for p in producers:
             if decide is None:
                 part.try_merge(p, node)
             elif part.can_merge(p, node) and decide(p, node):
                 part.merge(p, node)
+
+    for node in graph.nodes:
+        if part.groupable(node):
+            visit(node, expanded if node in expanded else None)
+    for node in graph.nodes:  # expansions no consumer took join their producers after all
+        if node in expanded and all(m in expanded for m in part.members[part.group_of[node]]):
+            visit(node)
     returned = {v.producer for v in graph.outputs}
     out = []
     for members in part.groups():
@@ -276,6 +294,36 @@ def partition(graph: Graph, max_nodes: int = 32, strategy: str = "greedy",
         if live and sum(part.cls[n] != "view" for n in members) >= 2:
             out.append(members)
     return out
+
+
+def _expansions(graph: Graph, cls: dict[Node, str]) -> set[Node]:
+    """Elementwise nodes whose result is at least :data:`EXPANSION_RATIO` times larger than
+    each operand that is not itself an expansion (a one-hot ``where(eq(target[:, None],
+    iota), -1/n, 0)``, an outer sum): cheap to recompute, costly to store.  :func:`partition`
+    lets their consumers take them, rather than their producers, so the large tensor stays
+    inside one kernel; only when no consumer takes them do they join their producers."""
+    out: set[Node] = set()
+    for n in graph.nodes:
+        if cls[n] != "elementwise" or len(n.outputs) != 1:
+            continue
+        size = _static_numel(n.outputs[0])
+        if size is None or size < EXPANSION_MIN_ELEMENTS:
+            continue
+        small = [v.producer in out or ((k := _static_numel(v)) is not None and k * EXPANSION_RATIO <= size)
+                 for v in n.inputs]
+        if small and all(small):
+            out.add(n)
+    return out
+
+
+def _static_numel(value: Value) -> int | None:
+    shape = value.shape
+    if not all(isinstance(d, int) for d in shape):
+        return None
+    total = 1
+    for d in shape:
+        total *= d
+    return total
 
 
 def _trim_border_views(members: list[Node], cls: dict[Node, str]) -> list[Node]:
