@@ -232,6 +232,20 @@ def test_illegal_steps_leave_the_schedule_unchanged():
     assert str(s) == before and str(s.program()) == program_before and s.trace == []
 
 
+def test_restore_returns_to_a_snapshot():
+    s = kl.Schedule(load("jacobi-2d"))
+    s.tile(["i", "j"], [2, 3])
+    snapshot, program_then = s.copy(), str(s.program())
+    s.parallel("i_tile").unroll("j", 2)
+    assert str(s.program()) != program_then
+    s.restore(snapshot)
+    assert str(s.program()) == program_then and s.trace == snapshot.trace
+    s.parallel("i_tile")  # the snapshot is not shared: it keeps its own state
+    assert snapshot.annotation("i_tile").mode == "serial"
+    with pytest.raises(ScheduleError, match="another program"):
+        s.restore(kl.Schedule(load("gemm")))
+
+
 def test_a_later_step_must_keep_parallel_marks_valid():
     s = kl.Schedule(load("jacobi-1d"))
     s.parallel("i").parallel("i_1").shift("i_1", "S1", 1)

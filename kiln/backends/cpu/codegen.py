@@ -58,6 +58,7 @@ from kiln.ir.loops.program import Buffer, If, Loop, Node, Param, Program, Reduce
 from kiln.ir.types import DType
 
 from .gemm import GemmSpec, blas_prelude, gemm_function
+from .loop_work import nest_work
 from .speculate import BLEND, BLEND_HELPERS, speculable
 
 PARALLEL_REDUCTION_WORK = 1 << 16
@@ -167,48 +168,6 @@ def reduction_cells(loop: Loop) -> list[tuple[str, tuple[Expr, ...], str]] | Non
         if any(isinstance(x, Load) and x.buffer in targets for x in walk(e)):
             return None
     return [(b, idx, comb) for (b, idx), comb in cells.items()]
-
-
-def _const_extent(loop: Loop) -> int | None:
-    if isinstance(loop.lower, Const) and isinstance(loop.upper, Const):
-        return max(0, -(-(int(loop.upper.value) - int(loop.lower.value)) // loop.step))
-    return None
-
-
-def _extent_bound(loop: Loop) -> int | None:
-    """The loop's extent when its bounds are constant; for a constant lower bound and an
-    upper bound ``min(c, ...)`` (the last block of a ``split`` that does not divide its
-    loop), at most ``c - lower`` iterations; else ``None``."""
-    extent = _const_extent(loop)
-    if extent is not None or not isinstance(loop.lower, Const):
-        return extent
-    upper = loop.upper
-    if isinstance(upper, Binary) and upper.op == "min":
-        bound = next((int(e.value) for e in (upper.lhs, upper.rhs) if isinstance(e, Const)), None)
-        if bound is not None:
-            return max(0, -(-(bound - int(loop.lower.value)) // loop.step))
-    return None
-
-
-def nest_work(body: Sequence[Node]) -> int | None:
-    """Statement instances executed by ``body`` when every bound is constant (at most that
-    many where a loop's upper bound is the minimum of a constant and an expression), else
-    ``None``."""
-    total = 0
-    for n in body:
-        if isinstance(n, Loop):
-            extent, inner = _extent_bound(n), nest_work(n.body)
-            if extent is None or inner is None:
-                return None
-            total += extent * inner
-        elif isinstance(n, If):
-            a, b = nest_work(n.then), nest_work(n.orelse)
-            if a is None or b is None:
-                return None
-            total += max(a, b)
-        else:
-            total += 1
-    return total
 
 
 # ----------------------------------------------------------------------------- printing
@@ -607,7 +566,6 @@ __all__ = [
     "UnsupportedKernelError",
     "c_comment",
     "kernel_function",
-    "nest_work",
     "reduction_cells",
     "sanitize_program",
     "table_runner",

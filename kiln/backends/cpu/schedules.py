@@ -52,7 +52,8 @@ from kiln.ir.loops.expr import Load, Var, free_vars, walk
 from kiln.ir.loops.program import If, Loop, Program
 
 from ..common.records import RecordStore, machine_key, store_for, structural_key
-from .codegen import _const_extent, nest_work, reduction_cells
+from .codegen import reduction_cells
+from .loop_work import _const_extent, nest_work
 
 PARALLEL_MIN_WORK = 1 << 14
 """Statement instances from which a loop nest runs on several threads."""

@@ -20,7 +20,7 @@ from typing import Any
 
 from kiln.backends import get_backend
 from kiln.backends.common.records import machine_key, store_for, structural_key
-from kiln.backends.cpu.codegen import nest_work
+from kiln.backends.cpu.loop_work import nest_work
 from kiln.backends.cpu.schedules import observe_kernels
 from kiln.passes.pipeline import resolve_passes
 
