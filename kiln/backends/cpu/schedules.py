@@ -172,9 +172,7 @@ def strategy_schedule(program: Program, kind: str, *, threads: int = 2,
 
 def _mark_parallel(schedule: Any, nest: Loop, notes: list[str], size_hint: dict[str, int] | None = None) -> set[str]:
     """Mark the outermost legal loop of ``nest`` (and maybe its inner loop) parallel."""
-    work = nest_work((nest,))
-    if work is None and size_hint:
-        work = _hinted_work((nest,), size_hint)
+    work = nest_work((nest,), size_hint)
     if work is None or work < PARALLEL_MIN_WORK:
         return set()
     loop: Loop | None = nest
@@ -321,41 +319,6 @@ def _reads_along(nest: Loop, iterator: str) -> bool:
         return False
     return all(e.indices and iterator in free_vars(e.indices[-1]) and innermost not in free_vars(e.indices[-1])
                for e in loads)
-
-
-def _hinted_work(body: tuple[Any, ...], hint: dict[str, int]) -> int | None:
-    """Statement instances of ``body`` with the size parameters at ``hint`` (bounds of
-    sums, products, min/max and floor divisions of them), or ``None``."""
-    total = 0
-    for n in body:
-        if isinstance(n, Loop):
-            lo, hi, inner = _value(n.lower, hint), _value(n.upper, hint), _hinted_work(n.body, hint)
-            if lo is None or hi is None or inner is None:
-                return None
-            total += max(0, -(-(hi - lo) // n.step)) * inner
-        elif isinstance(n, If):
-            a, b = _hinted_work(n.then, hint), _hinted_work(n.orelse, hint)
-            if a is None or b is None:
-                return None
-            total += max(a, b)
-        else:
-            total += 1
-    return total
-
-
-def _value(e: Any, hint: dict[str, int]) -> int | None:
-    from kiln.ir.loops.expr import Binary, Const, Var  # noqa: PLC0415
-
-    if isinstance(e, Const):
-        return int(e.value)
-    if isinstance(e, Var):
-        return hint.get(e.name)
-    if isinstance(e, Binary) and e.op in ("+", "-", "*", "floordiv", "min", "max"):
-        a, b = _value(e.lhs, hint), _value(e.rhs, hint)
-        if a is None or b is None or (e.op == "floordiv" and b == 0):
-            return None
-        return {"+": a + b, "-": a - b, "*": a * b, "min": min(a, b), "max": max(a, b)}.get(e.op, a // b if b else 0)
-    return None
 
 
 def _only_loop(loop: Loop) -> Loop | None:
