@@ -317,13 +317,7 @@ def _expansions(graph: Graph, cls: dict[Node, str]) -> set[Node]:
 
 
 def _static_numel(value: Value) -> int | None:
-    shape = value.shape
-    if not all(isinstance(d, int) for d in shape):
-        return None
-    total = 1
-    for d in shape:
-        total *= d
-    return total
+    return value.type.numel if value.type.is_static else None
 
 
 def _trim_border_views(members: list[Node], cls: dict[Node, str]) -> list[Node]:
