@@ -3,6 +3,7 @@ backend on odd shapes, memory plan, thread safety, hostile names, implementation
 
 from __future__ import annotations
 
+import math
 import threading
 import warnings
 
@@ -97,6 +98,40 @@ ODD_SHAPES = [(1,), (3, 17), (17, 1000), (2, 3, 17)]
 def test_elementwise_kernels(shape):
     info = check_against_reference(kernel_graphs.elementwise(shape)).info
     assert info["kernels"] == 1
+
+
+def test_exp_is_faithful_over_the_float_range():
+    # generated kernels call kiln's own expf (kiln/backends/cpu/fast_math.py): within 1 ulp
+    # of exp in double on [-87, 88.72], zero below (where the true result is under 1.7e-38),
+    # inf above, NaN kept
+    big = torch.finfo(torch.float32).max
+    special = [-math.inf, math.inf, math.nan, -big, big, 88.7228, 88.72284, 89.0, -87.0, -87.01, -100.0,
+               -104.0, 0.0, -0.0, 1e-30, -1e-30]
+    x = torch.cat([torch.linspace(-87.0, 88.72, 100_003), torch.randn(4099) * 30, torch.tensor(special)])
+    y = kiln.compile(lambda t: torch.exp(t), (x,))(x)
+    ref = torch.exp(x.double())
+    normal = (x >= -87.0) & (ref <= big)
+    ulp = torch.exp2(torch.floor(torch.log2(ref[normal])) - 23)
+    assert ((y[normal].double() - ref[normal]).abs() <= ulp).all()
+    low = x < -87.0
+    assert (y[low] == 0).all() and (ref[low] < 1.7e-38).all()
+    assert torch.isinf(y[ref > big]).all() and torch.isnan(y[x.isnan()]).all()
+    half = torch.linspace(-90.0, 88.0, 1001).to(torch.bfloat16)
+    torch.testing.assert_close(kiln.compile(lambda t: torch.exp(t), (half,))(half), torch.exp(half), rtol=8e-3, atol=1e-37)
+
+
+def test_masked_softmax_of_lowest_scores_matches_eager():
+    # a causal mask applied with the lowest float (as transformers do) puts arguments far
+    # below exp's range in most vectors of the softmax kernel
+    lowest = torch.finfo(torch.float32).min
+    mask = torch.ones(37, 37, dtype=torch.bool).tril()
+
+    def f(s):
+        p = torch.softmax(torch.where(mask, s, lowest), dim=-1)
+        return torch.where(mask, p, 0.0)
+
+    s = torch.randn(2, 3, 37, 37) * 4
+    torch.testing.assert_close(kiln.compile(f, (s,))(s), f(s), rtol=1e-5, atol=1e-7)
 
 
 @pytest.mark.parametrize("shape", [(3, 17), (1, 1000), (17, 3, 5)])

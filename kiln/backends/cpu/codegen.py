@@ -59,6 +59,7 @@ from kiln.ir.types import DType
 
 from .gemm import GemmSpec, blas_prelude, gemm_function
 from .loop_work import nest_work
+from .fast_math import EXP_HELPER, FLOAT_FUNCTIONS
 from .speculate import BLEND, BLEND_HELPERS, speculable
 
 PARALLEL_REDUCTION_WORK = 1 << 16
@@ -184,7 +185,7 @@ class KernelPrinter(HalfAsFloat, BoolAsByte, CStylePrinter):
     half_round = {DType.float16: "kiln_round_f16", DType.bfloat16: "kiln_round_bf16"}
     half_round_ops = True
     function_prefix = "static "
-    prelude = CStylePrinter.prelude + BLEND_HELPERS
+    prelude = CStylePrinter.prelude + BLEND_HELPERS + EXP_HELPER
 
     def __init__(self, program: Program):
         super().__init__(program)
@@ -196,6 +197,13 @@ class KernelPrinter(HalfAsFloat, BoolAsByte, CStylePrinter):
         self._hoisted: dict[Expr, str] | None = None
         """Loop-invariant expressions of the loop nest being printed, by their locals."""
         self._n_hoisted = 0
+
+    def math_function(self, fn: str, dtype: DType) -> str:
+        """kiln's own ``kiln_expf`` (:mod:`.fast_math`) for ``exp`` on float32 and the half
+        types; the C library's functions otherwise."""
+        if fn in FLOAT_FUNCTIONS and (dtype == DType.float32 or dtype in HALF_TYPES):
+            return FLOAT_FUNCTIONS[fn]
+        return super().math_function(fn, dtype)
 
     @classmethod
     def type_error(cls, dtype: DType) -> Exception:
