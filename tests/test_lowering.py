@@ -315,11 +315,12 @@ def test_a_costly_value_used_twice_is_stored_and_a_cheap_one_is_inlined():
 def test_constants_are_literals_or_buffers_and_repeated_operands_share_a_buffer():
     body = Graph("scale_shift")
     x = body.add_input("x", T(2, 20))
-    table = body.add_constant(np.arange(20, dtype=np.float32), name="table")
+    squares = np.arange(20, dtype=np.float32) ** 2
+    table = body.add_constant(squares, name="table")
     body.set_outputs([body.op("add", body.op("mul", x, x), body.op("mul", table, body.add_constant(np.float32(0.5))))])
     kernel = _lower_and_check(_fused(body, "elementwise", ["y"]), [rand(2, 20)])
     assert list(kernel.constants) == ["table"]
-    np.testing.assert_array_equal(kernel.constants["table"], np.arange(20, dtype=np.float32))
+    np.testing.assert_array_equal(kernel.constants["table"], squares)
     assert "table[i1] * 0.5:f32" in str(kernel.program)
 
     g = Graph()
@@ -327,6 +328,31 @@ def test_constants_are_literals_or_buffers_and_repeated_operands_share_a_buffer(
     node = g.add_node("mul", [v, v], {})
     kernel = _lower_and_check(node, [rand(3)] * 2)
     assert kernel.inputs == ["v", "v"] and [b.name for b in kernel.program.buffers].count("v") == 1
+
+
+@pytest.mark.parametrize("dtype", [DType.int64, DType.int32, DType.float32])
+def test_ramp_constants_are_index_arithmetic_not_loads(dtype):
+    # a folded arange (a one-hot's positions) as a fused operand and inside the body: the
+    # kernel computes start + step * i instead of loading it, with the same results
+    from kiln.ir.ops.ramp import ramp_of
+
+    g = Graph()
+    target = g.add_input("target", T(7, 1, dtype=DType.int64))
+    grad = g.add_input("grad", T(7, 1))
+    positions = g.add_constant(np.arange(1000, dtype=np.int64).reshape(1, 1000), name="positions")
+    body = Graph("onehot")
+    t, gr, p = (body.add_input(n, v.type) for n, v in (("t", target), ("g", grad), ("p", positions)))
+    ramp = body.add_constant((5 - 3 * np.arange(1000)).astype(dtype.numpy).reshape(1000, 1).T, name="ramp")
+    hot = body.op("where", body.op("eq", t, p), gr, body.add_constant(np.float32(0.0)))
+    body.set_outputs([body.op("add", hot, body.op("cast", ramp, dtype=DType.float32))])
+    node = g.add_node("fused", [target, grad, positions], {"body": body, "template": "elementwise"})
+    operands = [np.random.default_rng(0).integers(0, 1000, (7, 1)), rand(7, 1), positions.data]
+    kernel = _lower_and_check(node, operands)
+    assert not kernel.constants and "positions[" not in str(kernel.program) and "ramp" not in str(kernel.program)
+    assert ramp_of(np.arange(4).reshape(2, 2), DType.int64) is None  # two long axes
+    assert ramp_of(np.array([0, 1, 3]), DType.int64) is None
+    assert ramp_of(np.array([0.5, 1.5]), DType.float32) is None  # not integers
+    assert ramp_of(np.array([[9], [7], [5]]), DType.int32) == (0, 9, -2)
 
 
 def test_buffer_names_are_sanitized_graph_value_names():

@@ -27,8 +27,10 @@ Guarantees:
   ``%fc1.bias`` -> ``fc1_bias``, names that would clash with C keywords, math functions or
   loop iterators get a ``_`` appended; duplicates get ``_1``, ``_2``); their dtypes and
   shapes are the graph values' exactly.  An operand used twice appears twice in ``inputs``
-  with one buffer.  Scalar constants are inlined as literals; tensor constants of a fused
-  body become global buffers (named after the constant) listed in ``constants``.
+  with one buffer.  Scalar constants are inlined as literals, ramps (a folded ``arange``,
+  :mod:`kiln.ir.ops.ramp`) are index arithmetic, in a fused body or as a graph constant
+  operand (its buffer stays an input, unread); other tensor constants of a fused body
+  become global buffers (named after the constant) listed in ``constants``.
   Intermediate values that must be stored (reduction results, values reused by several
   consumers when recomputing them would be costly) are ``local`` buffers named
   ``<value>_<stage>`` (``v3_max``, ``v7_acc``).
@@ -81,6 +83,7 @@ from kiln.ir.ops.compute import (
     kernel_shape,
     sanitize,
 )
+from kiln.ir.ops.ramp import ramp_of
 from kiln.ir.types import sizes_of
 from kiln.passes.fusion import node_class
 
@@ -143,7 +146,9 @@ def lower_node(node: Node) -> LoweredKernel:
     inputs = [buffer_of[v] for v in node.inputs]
     outputs = [builder.declare(v.name, kernel_shape(v.type), v.dtype, "global") for v in node.outputs]
     try:
-        results = apply_rule(builder, node.op, [builder.tensor_of(n) for n in inputs], node.attrs,
+        operands = [builder.constant(v.data, v.type, v.name) if _ramp_constant(v) else builder.tensor_of(n)
+                    for v, n in zip(node.inputs, inputs)]
+        results = apply_rule(builder, node.op, operands, node.attrs,
                              [v.type for v in node.outputs], node.outputs[0].name)
         aliases: dict[str, str] = {}
         permuted: dict[str, tuple[str, tuple[int, ...]]] = {}
@@ -170,6 +175,12 @@ def lower_node(node: Node) -> LoweredKernel:
     program = Program(sanitize(name), params, tuple(kept), tuple(body))
     template = node.attrs["template"] if node.op_name == "fused" else node_class(node)
     return LoweredKernel(program, inputs, outputs, template, dict(builder.constants))
+
+
+def _ramp_constant(v) -> bool:
+    """A graph constant operand that is a ramp: read as index arithmetic, not its buffer
+    (:mod:`kiln.ir.ops.ramp`; the buffer stays a kernel argument, unread)."""
+    return v.origin == "const" and v.type.is_static and ramp_of(v.data, v.dtype) is not None
 
 
 _PROBE = "_axis"

@@ -61,6 +61,7 @@ from ..loops.expr import (
 )
 from ..loops.program import Buffer, Loop, Node, Reduce, Store
 from ..names import unique_name
+from .ramp import ramp_of
 from ..types import DType, TensorType
 
 if TYPE_CHECKING:
@@ -345,12 +346,16 @@ class KernelBuilder:
         return Tensor(shape, buf.dtype, lambda i: Load(name, tuple(simplify_index(e) for e in i)), name)
 
     def constant(self, data: np.ndarray, type: TensorType, hint: str) -> Tensor:
-        """A constant: one element is inlined as a literal, more become a global buffer
-        listed in ``constants``."""
+        """A constant: one element is inlined as a literal, a ramp (:mod:`.ramp`) is index
+        arithmetic, others become a global buffer listed in ``constants``."""
         shape = static_shape(type, f"constant %{hint}")
         if data.size == 1:
             literal = const(np.asarray(data).reshape(-1)[0].item(), type.dtype)
             return Tensor(shape, type.dtype, lambda i: literal)
+        if (ramp := ramp_of(data, type.dtype)) is not None:  # index arithmetic, no buffer (.ramp)
+            axis, start, step = ramp
+            return Tensor(shape, type.dtype, lambda i: convert(
+                const(start, DType.int64) + const(step, DType.int64) * i[axis], DType.int64, type.dtype))
         name = self.declare(hint, shape, type.dtype, "global")
         self.constants[name] = np.ascontiguousarray(data, dtype=type.dtype.numpy)
         return self.tensor_of(name)
