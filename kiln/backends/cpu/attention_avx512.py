@@ -1,6 +1,6 @@
 """The AVX-512 kernel of kiln's fused CPU attention (:mod:`.attention` documents it), C source
 spliced into :mod:`.attention_source`'s translation unit after the portable kernel's
-helpers (it uses ``ka_exp`` and the ``KA_QT`` / ``KA_BK`` sizes defined there)."""
+helpers (it uses the ``KA_QT`` / ``KA_BK`` sizes defined there)."""
 
 from __future__ import annotations
 

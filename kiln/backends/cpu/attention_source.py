@@ -7,6 +7,7 @@ kernel that keeps each panel's scores in registers (``ka_attention_512``, in
 from __future__ import annotations
 
 from .attention_avx512 import AVX512 as _AVX512
+from .fast_math import EXP_HELPER
 
 QUERY_TILE = 48
 """Query rows per task (they share each transposed key block)."""
@@ -24,24 +25,7 @@ _PORTABLE_HEAD = r"""
 #define KA_QT %(qt)d
 #define KA_BK %(bk)d
 
-static inline float ka_exp(float x) {
-  if (x < -87.0f) x = -87.0f;
-  if (x > 88.0f) x = 88.0f;
-  float fn = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  /* round to nearest */
-  int n = (int)fn;
-  float r = x - fn * 0.693359375f + fn * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  int bits = (n + 127) << 23;
-  float two;
-  memcpy(&two, &bits, sizeof two);
-  return p * two;
-}
+%(exp_helper)s
 
 /* s[j] = exp(s[j] - m) for the KA_BK scores of a row; -inf (masked) gives exactly 0 */
 #ifdef KA_AVX2
@@ -72,7 +56,7 @@ static inline void ka_exp_row(float *s, float m) {
 }
 #else
 static inline void ka_exp_row(float *s, float m) {
-  for (int j = 0; j < KA_BK; j++) s[j] = s[j] == -INFINITY ? 0.0f : ka_exp(s[j] - m);
+  for (int j = 0; j < KA_BK; j++) s[j] = s[j] == -INFINITY ? 0.0f : kiln_expf(s[j] - m);
 }
 #endif
 
@@ -235,7 +219,7 @@ int kiln_attention_f32(long B, long H, long L, long S, long E, long Ev, long gro
             float sum = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
             for (long j = 0; j < KA_BK; j++) pp[j * 6 + r] = sr[j];
             if (mold != mnew) {
-              float corr = mold == -INFINITY ? 0.0f : ka_exp(mold - mnew);
+              float corr = mold == -INFINITY ? 0.0f : kiln_expf(mold - mnew);
               float *ar = acc + row * evw;
               lrow[row] *= corr;
               #pragma omp simd
@@ -272,7 +256,7 @@ int kiln_attention_f32(long B, long H, long L, long S, long E, long Ev, long gro
 }
 """
 
-_SIZES = {"qt": QUERY_TILE, "bk": KEY_BLOCK}
+_SIZES = {"qt": QUERY_TILE, "bk": KEY_BLOCK, "exp_helper": EXP_HELPER}
 SOURCE = _PORTABLE_HEAD % _SIZES + _AVX512 + _ENTRY % _SIZES
 """The whole translation unit (sizes substituted)."""
 
