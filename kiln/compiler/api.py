@@ -39,6 +39,7 @@ and ``.backward()`` runs kiln's backward graph.
 
 from __future__ import annotations
 
+import inspect
 import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -75,8 +76,8 @@ def compile(model_or_function: torch.nn.Module | Callable[..., Any], example_inp
     """Compile a module or function for inference with kiln (see the module docstring).
 
     Args:
-        model_or_function: an ``nn.Module`` (put it in eval mode first) or a plain function
-            of tensors.
+        model_or_function: an ``nn.Module`` (put it in eval mode first) or a function of tensors
+            (a plain function, a builtin such as ``torch.exp``, or an object with ``__call__``).
         example_inputs: the positional arguments (a tuple; a single tensor is accepted).
             Shapes and dtypes are fixed by them; non-tensor arguments are specialized.
         backend: a registered backend name (``kiln.backends.available_backends()``) or a
@@ -263,6 +264,14 @@ class _FunctionModule(torch.nn.Module):
         self.forward = fn  # an instance attribute keeps the function's own parameter names
 
 
+def _forwarding(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` behind a Python ``(*args, **kwargs)`` signature, named after it."""
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return fn(*args, **kwargs)
+    call.__name__ = getattr(fn, "__name__", "function")
+    return call
+
+
 def as_module(model_or_function: Any) -> torch.nn.Module:
     """The model itself, or a plain callable wrapped in a parameterless module."""
     if isinstance(model_or_function, torch.nn.Module):
@@ -273,6 +282,11 @@ def as_module(model_or_function: Any) -> torch.nn.Module:
             # an object with a Python __call__: compile the bound method (torch.export reads
             # the signature from its code)
             return _FunctionModule(model_or_function.__call__)
+        try:
+            inspect.signature(model_or_function)
+        except (TypeError, ValueError):
+            # a builtin (torch.exp, F.gelu) has no signature torch.export could read
+            return _FunctionModule(_forwarding(model_or_function))
         return _FunctionModule(model_or_function)
     raise TypeError(
         f"kiln.compile expects an nn.Module or a function, got {type(model_or_function).__name__}")
