@@ -14,8 +14,10 @@ through convolution chains (:mod:`.partition`); their C is :mod:`.conv_source`:
   :mod:`.conv_1x1_source`'s kernel (one block of 6-12 rows x up to 64 channels in registers
   for the whole reduction, the epilogue applied to the registers before the only store,
   each thread a range of rows with all their channels, which the next layer's thread reads;
-  MobileNet's 1x1 layers 13-23% faster than through the tiles below), with AVX2 by the
-  micro-kernel broadcasting from six input rows (6x16 tiles);
+  MobileNet's 1x1 layers 13-23% faster than through the tiles below), with AVX2 by its
+  6-row x 16-channel version (the convolutions of the MobileNet-style benchmark net 1.41 ->
+  1.03 ms in all on a 2-vCPU AVX2 EPYC, against storing each tile and then passing over it
+  for the epilogue); in plain C by a scalar loop;
   otherwise the packing of each block of A into micro-panels -- which every GEMM of
   :mod:`.microgemm` does (``256 x 96`` blocks of 6 rows, ``256 x 144`` blocks of 12 rows
   with AVX-512) -- reads the input windows directly (per-block tables of the

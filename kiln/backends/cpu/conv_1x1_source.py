@@ -1,4 +1,4 @@
-"""The C source of kiln's AVX-512 kernel for 1x1 stride-1 convolutions of channels-last
+"""The C source of kiln's AVX-512 and AVX2 kernels for 1x1 stride-1 convolutions of channels-last
 inputs (:mod:`.conv` documents the kinds), part of :data:`.conv_source.SOURCE` (after the
 GEMM convolution's helpers, whose ``kiln_conv_gemm_f32`` calls it).
 
@@ -11,7 +11,9 @@ registers for the whole reduction and applies ``act(acc + bias + residual)`` to 
 registers before the only store (masked for the channel tail), so a block's result is
 written once.  Rows per block follow the block's width (12 rows of 16 or 32 channels, 8 of
 48, 6 of 64: 12-24 accumulators, each broadcast of an input value feeding 1-4 FMAs).
-Each thread takes a range of rows with all their channels."""
+Each thread takes a range of rows with all their channels.  With AVX2's 16 registers a block
+is 6 rows x one 16-channel panel (12 accumulators), a thread walking four panels at a time
+over its blocks of rows."""
 
 from __future__ import annotations
 
@@ -88,6 +90,81 @@ static int kcp_inplace(const kcg_t *g, int nthreads) {
       long nv = vectors - 4 * ch < 4 ? vectors - 4 * ch : 4, R = kcp_rows_of(nv);
       for (long m = lo; m < hi; m += R) kcp_one(g, m, hi, 64 * ch, nv);
     }
+  }
+  return 0;
+}
+#elif defined(KMG_AVX2)
+/* ------------------------------------------------------------------ 1x1, in place, AVX2 */
+/* AVX2 has 16 registers: a block is 6 rows x one 16-column panel (12 accumulators, two B
+   vectors, one broadcast), and a thread walks a chunk of four panels (their weights stay in
+   L1) block of rows by block of rows, each row block's A (6 x K) read from L1 for the four
+   panels.  The epilogue runs on the registers; the store of a partial panel is masked. */
+static inline __m256i kcp_mask8(long w) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)w), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+static inline __attribute__((always_inline)) void kcp_store8(__m256 y, float *c, const float *bias, const float *res,
+                                                              int act, long w, __m256i m) {
+  if (w >= 8) {
+    if (bias) y = _mm256_add_ps(y, _mm256_loadu_ps(bias));
+    if (res) y = _mm256_add_ps(y, _mm256_loadu_ps(res));
+    _mm256_storeu_ps(c, kcv_act8(y, act));
+  } else if (w > 0) {
+    if (bias) y = _mm256_add_ps(y, _mm256_maskload_ps(bias, m));
+    if (res) y = _mm256_add_ps(y, _mm256_maskload_ps(res, m));
+    _mm256_maskstore_ps(c, m, kcv_act8(y, act));
+  }
+}
+
+/* c[rows][w] = act(a[rows][K] @ panel + bias + res), rows <= 6 (rows past `rows` read row 0
+   again and are not stored), w <= 16 columns */
+static void kcp_tile8(const float *a, long lda, long rows, long K, const float *bp, const float *bias,
+                      const float *res, float *c, long ldc, int act, long w) {
+  const float *ar[6];
+  __m256 acc[6][2];
+  _Pragma("GCC unroll 6") for (int r = 0; r < 6; r++) {
+    ar[r] = a + (r < rows ? r : 0) * lda;
+    acc[r][0] = _mm256_setzero_ps(); acc[r][1] = _mm256_setzero_ps();
+  }
+  _Pragma("GCC unroll 2") for (long k = 0; k < K; k++) {
+    __m256 b0 = _mm256_loadu_ps(bp + k * KMG_NR), b1 = _mm256_loadu_ps(bp + k * KMG_NR + 8);
+    _Pragma("GCC unroll 6") for (int r = 0; r < 6; r++) {
+      __m256 x = _mm256_broadcast_ss(ar[r] + k);
+      acc[r][0] = _mm256_fmadd_ps(x, b0, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(x, b1, acc[r][1]);
+    }
+  }
+  __m256i m0 = kcp_mask8(w), m1 = kcp_mask8(w - 8);
+  _Pragma("GCC unroll 6") for (int r = 0; r < 6; r++) {
+    if (r >= rows) break;
+    const float *rr = res ? res + r * ldc : 0;
+    kcp_store8(acc[r][0], c + r * ldc, bias, rr, act, w, m0);
+    kcp_store8(acc[r][1], c + r * ldc + 8, bias ? bias + 8 : 0, rr ? rr + 8 : 0, act, w - 8, m1);
+  }
+}
+
+/* the whole convolution: each thread a range of rows (a multiple of 6), all their channels
+   (why: the AVX-512 kernel's note), chunk by chunk of four panels, then block by block of rows */
+static int kcp_inplace(const kcg_t *g, int nthreads) {
+  long M = g->M, C = g->C, K = g->K, Cout = g->Cout, panels = g->panels, pstride = K * KMG_NR;
+  #pragma omp parallel num_threads(nthreads)
+  {
+#ifdef _OPENMP
+    long t = omp_get_thread_num(), T = omp_get_num_threads();
+#else
+    long t = 0, T = 1;
+#endif
+    long share = ((M + T - 1) / T + 5) / 6 * 6;
+    long lo = t * share, hi = lo + share < M ? lo + share : M;
+    for (long p0 = 0; p0 < panels; p0 += 4)
+      for (long m = lo; m < hi; m += 6) {
+        long rows = hi - m < 6 ? hi - m : 6;
+        for (long p = p0; p < p0 + 4 && p < panels; p++) {
+          long n0 = p * KMG_NR, w = Cout - n0 < KMG_NR ? Cout - n0 : KMG_NR;
+          kcp_tile8(g->x + m * C, C, rows, K, g->Bp + p * pstride, g->bias ? g->bias + n0 : 0,
+                    g->res ? g->res + m * Cout + n0 : 0, g->out + m * Cout + n0, Cout, g->act, w);
+        }
+      }
   }
   return 0;
 }

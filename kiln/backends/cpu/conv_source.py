@@ -64,81 +64,19 @@ static inline void kcv_post_row(float *c, const float *bias, const float *res, l
   for (; j < w; j++) c[j] = kcv_act1(c[j] + (bias ? bias[j] : 0.0f) + (res ? res[j] : 0.0f), act);
 }
 
-/* ------------------------------------------------------------------ unpacked A */
-#define KCD_ROWS 6
+/* ------------------------------------------------------------------ unpacked A, plain C */
 /* c[rows][w] (row stride ldc) (+)= A[rows][kc] @ Bp[kc][16] with A read in place (row stride
-   lda): the 1x1 stride-1 convolution of a channels-last input, whose A is the input itself. */
+   lda): the 1x1 stride-1 convolution of a channels-last input, whose A is the input itself.
+   With AVX2 or AVX-512 such a convolution runs kcp_inplace (conv_1x1_source.py) instead. */
+#ifndef KMG_AVX2
 static void kcd_tile(long kc, const float *a, long lda, long rows, const float *bp, float *c, long ldc, int acc,
                      long w) {
-  const float *r0 = a, *r1 = a + (rows > 1 ? 1 : 0) * lda, *r2 = a + (rows > 2 ? 2 : 0) * lda;
-  const float *r3 = a + (rows > 3 ? 3 : 0) * lda, *r4 = a + (rows > 4 ? 4 : 0) * lda;
-  const float *r5 = a + (rows > 5 ? 5 : 0) * lda;
-  float t[KCD_ROWS * KMG_NR];
-  int direct = rows == KCD_ROWS && w == KMG_NR;
-  float *dst = direct ? c : t;
-  long ldd = direct ? ldc : KMG_NR;
-  if (!direct)
-    for (long r = 0; r < KCD_ROWS; r++)
-      for (long j = 0; j < KMG_NR; j++) t[r * KMG_NR + j] = (acc && r < rows && j < w) ? c[r * ldc + j] : 0.0f;
-#ifdef KMG_AVX2
-  __m256 c00, c01, c10, c11, c20, c21, c30, c31, c40, c41, c50, c51;
-  if (acc || !direct) {
-    c00 = _mm256_loadu_ps(dst); c01 = _mm256_loadu_ps(dst + 8);
-    c10 = _mm256_loadu_ps(dst + ldd); c11 = _mm256_loadu_ps(dst + ldd + 8);
-    c20 = _mm256_loadu_ps(dst + 2 * ldd); c21 = _mm256_loadu_ps(dst + 2 * ldd + 8);
-    c30 = _mm256_loadu_ps(dst + 3 * ldd); c31 = _mm256_loadu_ps(dst + 3 * ldd + 8);
-    c40 = _mm256_loadu_ps(dst + 4 * ldd); c41 = _mm256_loadu_ps(dst + 4 * ldd + 8);
-    c50 = _mm256_loadu_ps(dst + 5 * ldd); c51 = _mm256_loadu_ps(dst + 5 * ldd + 8);
-  } else {
-    c00 = c01 = c10 = c11 = c20 = c21 = c30 = c31 = c40 = c41 = c50 = c51 = _mm256_setzero_ps();
-  }
-  for (long k = 0; k < kc; k++) {
-    __m256 b0 = _mm256_loadu_ps(bp), b1 = _mm256_loadu_ps(bp + 8), x;
-    x = _mm256_broadcast_ss(r0 + k); c00 = _mm256_fmadd_ps(x, b0, c00); c01 = _mm256_fmadd_ps(x, b1, c01);
-    x = _mm256_broadcast_ss(r1 + k); c10 = _mm256_fmadd_ps(x, b0, c10); c11 = _mm256_fmadd_ps(x, b1, c11);
-    x = _mm256_broadcast_ss(r2 + k); c20 = _mm256_fmadd_ps(x, b0, c20); c21 = _mm256_fmadd_ps(x, b1, c21);
-    x = _mm256_broadcast_ss(r3 + k); c30 = _mm256_fmadd_ps(x, b0, c30); c31 = _mm256_fmadd_ps(x, b1, c31);
-    x = _mm256_broadcast_ss(r4 + k); c40 = _mm256_fmadd_ps(x, b0, c40); c41 = _mm256_fmadd_ps(x, b1, c41);
-    x = _mm256_broadcast_ss(r5 + k); c50 = _mm256_fmadd_ps(x, b0, c50); c51 = _mm256_fmadd_ps(x, b1, c51);
-    bp += KMG_NR;
-  }
-  _mm256_storeu_ps(dst, c00); _mm256_storeu_ps(dst + 8, c01);
-  _mm256_storeu_ps(dst + ldd, c10); _mm256_storeu_ps(dst + ldd + 8, c11);
-  _mm256_storeu_ps(dst + 2 * ldd, c20); _mm256_storeu_ps(dst + 2 * ldd + 8, c21);
-  _mm256_storeu_ps(dst + 3 * ldd, c30); _mm256_storeu_ps(dst + 3 * ldd + 8, c31);
-  _mm256_storeu_ps(dst + 4 * ldd, c40); _mm256_storeu_ps(dst + 4 * ldd + 8, c41);
-  _mm256_storeu_ps(dst + 5 * ldd, c50); _mm256_storeu_ps(dst + 5 * ldd + 8, c51);
-#else
-  const float *rp[KCD_ROWS] = {r0, r1, r2, r3, r4, r5};
-  for (long k = 0; k < kc; k++)
-    for (long r = 0; r < KCD_ROWS; r++)
-      for (long j = 0; j < KMG_NR; j++) dst[r * ldd + j] += rp[r][k] * bp[k * KMG_NR + j];
-#endif
-  if (!direct)
-    for (long r = 0; r < rows; r++)
-      for (long j = 0; j < w; j++) c[r * ldc + j] = t[r * KMG_NR + j];
-}
-
-#ifdef KMG_AVX512
-/* c[rows][32] (row stride ldc) (+)= A[rows][kc] @ [Bp | Bq] with A read in place (row stride
-   lda), rows <= 6: two adjacent full panels in twelve 16-wide accumulators (rows past
-   `rows` read row 0 again and are not stored). */
-#define KCD_DECL(r) const float *a##r = a + (rows > r ? r : 0) * lda; __m512 c##r##0, c##r##1;
-#define KCD_START(r) if (acc && r < rows) { c##r##0 = _mm512_loadu_ps(c + r * ldc); \
-    c##r##1 = _mm512_loadu_ps(c + r * ldc + 16); } else { c##r##0 = _mm512_setzero_ps(); c##r##1 = c##r##0; }
-#define KCD_FMA(r) { __m512 v = _mm512_set1_ps(a##r[k]); c##r##0 = _mm512_fmadd_ps(v, b0, c##r##0); \
-    c##r##1 = _mm512_fmadd_ps(v, b1, c##r##1); }
-#define KCD_STORE(r) if (r < rows) { _mm512_storeu_ps(c + r * ldc, c##r##0); _mm512_storeu_ps(c + r * ldc + 16, c##r##1); }
-static void kcd_pair(long kc, const float *a, long lda, long rows, const float *bp, const float *bq, float *c,
-                     long ldc, int acc) {
-  KMG_ROWS6(KCD_DECL)
-  KMG_ROWS6(KCD_START)
-  _Pragma("GCC unroll 4") for (long k = 0; k < kc; k++) {
-    __m512 b0 = _mm512_loadu_ps(bp), b1 = _mm512_loadu_ps(bq);
-    KMG_ROWS6(KCD_FMA)
-    bp += KMG_NR; bq += KMG_NR;
-  }
-  KMG_ROWS6(KCD_STORE)
+  for (long r = 0; r < rows; r++)
+    for (long j = 0; j < w; j++) {
+      float sum = acc ? c[r * ldc + j] : 0.0f;
+      for (long k = 0; k < kc; k++) sum += a[r * lda + k] * bp[k * KMG_NR + j];
+      c[r * ldc + j] = sum;
+    }
 }
 #endif
 
@@ -150,7 +88,7 @@ typedef struct {
   float *out;
   int checks, inplace, act;
 } kcg_t;
-#ifdef KMG_AVX512
+#ifdef KMG_AVX2
 static int kcp_inplace(const kcg_t *g, int nthreads); /* conv_1x1_source.py */
 #endif
 
@@ -193,8 +131,7 @@ static inline void kcg_pack(const kcg_t *g, long ic, long mc, long ib, long kc, 
    the rows [ic, ic + mc), K block [pc, pc + kc); the epilogue (bias, residual, activation)
    after the last block only, on each tile right after its last store */
 static inline void kcg_unit(const kcg_t *g, long ic, long mc, long ib, long u, long pc, long kc, const float *ap) {
-  long C = g->C, K = g->K, Cout = g->Cout, panels = g->panels;
-  const float *x = g->x;
+  long K = g->K, Cout = g->Cout, panels = g->panels;
   long m0 = ic + ib * KMG_MR, rows = mc - ib * KMG_MR < KMG_MR ? mc - ib * KMG_MR : KMG_MR;
   int last = pc + kc >= K;
   for (long p = u * KMG_STEP; p < panels && p < (u + 1) * KMG_STEP;) {
@@ -203,19 +140,15 @@ static inline void kcg_unit(const kcg_t *g, long ic, long mc, long ib, long u, l
     float *c = g->out + m0 * Cout + n0;
 #ifdef KMG_PAIRS
     if (p + 1 < panels && Cout - (p + 1) * KMG_NR >= KMG_NR) {
-      if (g->inplace)
-        for (long r0 = 0; r0 < rows; r0 += 6)
-          kcd_pair(kc, x + (m0 + r0) * C + pc, C, rows - r0 < 6 ? rows - r0 : 6, bp, bp + K * KMG_NR,
-                   c + r0 * Cout, Cout, pc > 0);
-      else
-        kmg_pair(rows, kc, ap, bp, bp + K * KMG_NR, c, Cout, pc > 0);
+      kmg_pair(rows, kc, ap, bp, bp + K * KMG_NR, c, Cout, pc > 0);
       w = 2 * KMG_NR;
     } else
 #endif
-    if (g->inplace) {
-      for (long r0 = 0; r0 < rows; r0 += 6)
-        kcd_tile(kc, x + (m0 + r0) * C + pc, C, rows - r0 < 6 ? rows - r0 : 6, bp, c + r0 * Cout, Cout, pc > 0, w);
-    } else if (w == KMG_NR) kmg_tile(rows, kc, ap, bp, c, Cout, pc > 0);
+#ifndef KMG_AVX2
+    if (g->inplace) kcd_tile(kc, g->x + m0 * g->C + pc, g->C, rows, bp, c, Cout, pc > 0, w);
+    else
+#endif
+    if (w == KMG_NR) kmg_tile(rows, kc, ap, bp, c, Cout, pc > 0);
     else kmg_edge(kc, ap, bp, c, Cout, pc > 0, rows, w);
     if (last && (g->bias || g->res || g->act))
       for (long r = 0; r < rows; r++)
@@ -280,7 +213,7 @@ int kiln_conv_gemm_f32(long N, long C, long H, long W, long OH, long OW, long KH
                 && (N == 1 || xn == H * W * C);
   kcg_t g = {N, C, H, W, OH, OW, KH, KW, sh, sw, ph, pw, dh, dw, xn, xc, xh, xw, M, K, Cout, panels,
              x, Bp, bias, res, out, checks, inplace, act};
-#ifdef KMG_AVX512
+#ifdef KMG_AVX2
   if (inplace) return kcp_inplace(&g, nthreads);
 #endif
   long mc_max = M < KMG_MC ? M : KMG_MC, kc_max = K < KMG_KC ? K : KMG_KC;
