@@ -99,10 +99,6 @@ static int kcp_inplace(const kcg_t *g, int nthreads) {
    vectors, one broadcast), and a thread walks a chunk of four panels (their weights stay in
    L1) block of rows by block of rows, each row block's A (6 x K) read from L1 for the four
    panels.  The epilogue runs on the registers; the store of a partial panel is masked. */
-static inline __m256i kcp_mask8(long w) {
-  return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)w), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-}
-
 static inline __attribute__((always_inline)) void kcp_store8(__m256 y, float *c, const float *bias, const float *res,
                                                               int act, long w, __m256i m) {
   if (w >= 8) {
@@ -134,7 +130,7 @@ static void kcp_tile8(const float *a, long lda, long rows, long K, const float *
       acc[r][1] = _mm256_fmadd_ps(x, b1, acc[r][1]);
     }
   }
-  __m256i m0 = kcp_mask8(w), m1 = kcp_mask8(w - 8);
+  __m256i m0 = kcv_mask8(w), m1 = kcv_mask8(w - 8);
   _Pragma("GCC unroll 6") for (int r = 0; r < 6; r++) {
     if (r >= rows) break;
     const float *rr = res ? res + r * ldc : 0;

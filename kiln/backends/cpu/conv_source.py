@@ -41,6 +41,10 @@ static inline __m256 kcv_act8(__m256 y, int act) {
   __m256 t = _mm256_min_ps(_mm256_max_ps(_mm256_add_ps(y, _mm256_set1_ps(3.0f)), z), six);
   return _mm256_mul_ps(_mm256_mul_ps(y, t), _mm256_set1_ps(1.0f / 6.0f));
 }
+/* lanes [0, w) of an 8-wide vector (w <= 0: none), for a masked load or store */
+static inline __m256i kcv_mask8(long w) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)w), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
 #endif
 /* c[0..w) = act(c + bias[0..w) + res[0..w)), bias and res optional: one row of a tile, in cache */
 static inline void kcv_post_row(float *c, const float *bias, const float *res, long w, int act) {
@@ -268,7 +272,11 @@ int kiln_conv_gemm_f32(long N, long C, long H, long W, long OH, long OW, long KH
 
 _DIRECT = r"""
 /* ------------------------------------------------------------------ few input channels */
+#if defined(KMG_AVX2) && !defined(KMG_AVX512)
+#define KDR_PX 6 /* AVX2: 6 pixels x 16 channels, twelve accumulators (FMA latency needs ten or more) */
+#else
 #define KDR_PX 8
+#endif
 #define KDR_CB 16
 #ifdef KMG_AVX512
 #define KDR_PX6 6
@@ -384,6 +392,51 @@ void kiln_conv_direct_f32(long N, long C, long H, long W, long OH, long OW, long
             __m512 y = acc[p];
             if (rrow) y = _mm512_add_ps(y, _mm512_maskz_loadu_ps(m, rrow + (ow + p) * Cout + c0));
             _mm512_mask_storeu_ps(o + p * Cout, m, kcv_act16(y, act));
+          }
+#elif defined(KMG_AVX2)
+          /* AVX2: 6 pixels x 16 channels in twelve accumulators */
+          __m256i m0 = kcv_mask8(cw), m1 = kcv_mask8(cw - 8);
+          __m256 b0 = bias ? _mm256_maskload_ps(bias + c0, m0) : _mm256_setzero_ps();
+          __m256 b1 = bias ? _mm256_maskload_ps(bias + c0 + 8, m1) : _mm256_setzero_ps();
+          __m256 acc[KDR_PX][2];
+          _Pragma("GCC unroll 6") for (int p = 0; p < KDR_PX; p++) { acc[p][0] = b0; acc[p][1] = b1; }
+          for (long c = 0; c < C; c++) {
+            for (long kh = 0; kh < KH; kh++) {
+              long ih = oh * sh - ph + kh * dh;
+              if (ih < 0 || ih >= H) continue;
+              const float *xr = xi + c * xc + ih * xh;
+              const float *wr = wt + (c * KH + kh) * KW * Cp + c0;
+              for (long kw = 0; kw < KW; kw++) {
+                __m256 w0 = _mm256_loadu_ps(wr + kw * Cp), w1 = _mm256_loadu_ps(wr + kw * Cp + 8);
+                long iw0 = ow * sw - pw + kw * dw;
+                if (px == KDR_PX && iw0 >= 0 && iw0 + (KDR_PX - 1) * sw < W) {
+                  const float *xp = xr + iw0 * xw;
+                  long step = sw * xw;
+                  _Pragma("GCC unroll 6") for (int p = 0; p < KDR_PX; p++) {
+                    __m256 xv = _mm256_broadcast_ss(xp + p * step);
+                    acc[p][0] = _mm256_fmadd_ps(xv, w0, acc[p][0]);
+                    acc[p][1] = _mm256_fmadd_ps(xv, w1, acc[p][1]);
+                  }
+                } else {
+                  _Pragma("GCC unroll 6") for (int p = 0; p < KDR_PX; p++) {
+                    long iw = iw0 + p * sw;
+                    if (p >= px || iw < 0 || iw >= W) continue;
+                    __m256 xv = _mm256_broadcast_ss(xr + iw * xw);
+                    acc[p][0] = _mm256_fmadd_ps(xv, w0, acc[p][0]);
+                    acc[p][1] = _mm256_fmadd_ps(xv, w1, acc[p][1]);
+                  }
+                }
+              }
+            }
+          }
+          _Pragma("GCC unroll 6") for (int p = 0; p < KDR_PX; p++) {  /* constant indices: acc stays in registers */
+            if (p >= px) break;
+            float *o = orow + (ow + p) * Cout + c0;
+            const float *r = rrow ? rrow + (ow + p) * Cout + c0 : 0;
+            __m256 y0 = acc[p][0], y1 = acc[p][1];
+            if (r) { y0 = _mm256_add_ps(y0, _mm256_maskload_ps(r, m0)); y1 = _mm256_add_ps(y1, _mm256_maskload_ps(r + 8, m1)); }
+            _mm256_maskstore_ps(o, m0, kcv_act8(y0, act));
+            _mm256_maskstore_ps(o + 8, m1, kcv_act8(y1, act));
           }
 #else
           float acc[KDR_PX][KDR_CB];
