@@ -192,3 +192,32 @@ def test_division_rewrite_is_bit_exact_on_extreme_values():
     (want,) = run_graph(g, [x], [])
     (got,) = run_graph(after, [x], [])
     assert want.tobytes() == got.tobytes()
+
+
+_CAUSAL_3x3 = "true, false, false, true, true, false, true, true, true"
+
+
+@pytest.mark.parametrize("mask, causal", [
+    (f"bool[3, 3] = const [{_CAUSAL_3x3}]", True),
+    (f"bool[2, 1, 3, 3] = const [{_CAUSAL_3x3}, {_CAUSAL_3x3}]", True),
+    ("f32[3, 3] = const [0.0, -inf, -inf, 0.0, 0.0, -inf, 0.0, 0.0, 0.0]", True),
+    # one more masked score, a large negative instead of -inf, or another slice: not causal
+    ("bool[3, 3] = const [true, false, false, true, false, false, true, true, true]", False),
+    ("f32[3, 3] = const [0.0, -1e9, -1e9, 0.0, 0.0, -1e9, 0.0, 0.0, 0.0]", False),
+    (f"bool[2, 1, 3, 3] = const [{_CAUSAL_3x3}, true, true, true, true, true, true, true, true, true]", False),
+    ("bool[1, 3] = const [true, false, false]", False),
+])
+def test_a_constant_causal_mask_becomes_the_causal_flag(mask, causal):
+    """An attention whose constant mask is ``tril(ones(L, S))`` in every slice runs with
+    ``is_causal`` and no mask, and gives the same result; any other mask stays."""
+    g = ir.parse(_g(f"""
+  %m: {mask}
+  %0: f32[2, 2, 3, 4] = scaled_dot_product_attention(%q, %q, %q, %m) {{scale=0.5}}
+  return %0""", "%q: f32[2, 2, 3, 4]"))
+    after = Simplify().run(g).graph
+    (node,) = [n for n in after.nodes if n.op_name == "scaled_dot_product_attention"]
+    assert (len(node.inputs) == 3 and node.attrs["is_causal"]) == causal
+    q = np.random.default_rng(0).standard_normal((2, 2, 3, 4)).astype(np.float32)
+    (want,) = run_graph(g, [q], [])
+    (got,) = run_graph(after, [q], [])
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)

@@ -26,6 +26,12 @@ change the broadcast shape or the dtype (``x * ones(4, 3)`` with ``x: f32[3]``, 
 * ``cast(x, x.dtype)``  ->  ``x``; ``cast(cast(x, a), b)``  ->  ``cast(x, b)`` (or ``x`` when
   ``b`` is ``x``'s dtype) when ``a`` represents every value of ``x``'s dtype exactly
   (``f32 -> f64 -> f32`` folds; ``f32 -> f16 -> f32`` stays).
+* ``scaled_dot_product_attention(q, k, v, mask)`` with a constant mask that is the causal
+  one (``tril(ones(L, S))`` in every batch slice: bool ``True`` where kept, or float ``0``
+  kept and ``-inf`` masked)  ->  the same attention with ``is_causal=True`` and no mask.
+  The same scores are excluded, so the result is the same; a kernel can then skip the
+  masked blocks instead of reading a mask (GPT-2's captured graph carries its causal mask
+  as such a constant).
 """
 
 from __future__ import annotations
@@ -224,10 +230,38 @@ def cast_of_lossless_cast(m: Match, b: Builder) -> Value | None:
     return b.op("cast", x, dtype=target)
 
 
+def _is_causal_mask(data: np.ndarray, length: int, keys: int) -> bool:
+    """Whether ``data`` (a constant attention mask, broadcasting to ``[..., length, keys]``)
+    keeps exactly the scores of ``tril(ones(length, keys))`` in every batch slice."""
+    if data.ndim < 2 or data.shape[-2:] != (length, keys):
+        return False
+    causal = np.tril(np.ones((length, keys), dtype=bool))
+    slices = data.reshape(-1, length, keys)
+    if data.dtype == np.bool_:
+        return bool(np.all(slices == causal))
+    if not np.issubdtype(data.dtype, np.floating) and data.dtype.kind != "V":
+        return False
+    values = slices.astype(np.float64)
+    return bool(np.all(np.where(causal, values == 0.0, values == -np.inf)))
+
+
+@rewrite(op("scaled_dot_product_attention", any_value("q"), any_value("k"), any_value("v"), const("mask"),
+            attrs={"is_causal": False}))
+def causal_mask_to_flag(m: Match, b: Builder) -> Value | None:
+    q, k = m["q"], m["k"]
+    if not (q.type.is_static and k.type.is_static and m["mask"].type.is_static):
+        return None
+    if not _is_causal_mask(m.const("mask"), q.shape[-2], k.shape[-2]):
+        return None
+    out = b.op("scaled_dot_product_attention", q, k, m["v"], is_causal=True,
+               scale=m.value.producer.attrs["scale"])
+    return out if out.type == m.value.type else None
+
+
 SIMPLIFY_REWRITES: tuple[Rewrite, ...] = (
     mul_by_one, add_zero, sub_zero, div_by_one, mul_by_zero_int, double_neg, log_of_exp,
     exp_of_log, div_by_power_of_two, permute_of_permute, identity_permute, reshape_of_reshape,
-    view_to_same_shape, cast_to_same_dtype, cast_of_lossless_cast,
+    view_to_same_shape, cast_to_same_dtype, cast_of_lossless_cast, causal_mask_to_flag,
 )
 
 
