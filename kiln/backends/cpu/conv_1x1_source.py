@@ -99,19 +99,6 @@ static int kcp_inplace(const kcg_t *g, int nthreads) {
    vectors, one broadcast), and a thread walks a chunk of four panels (their weights stay in
    L1) block of rows by block of rows, each row block's A (6 x K) read from L1 for the four
    panels.  The epilogue runs on the registers; the store of a partial panel is masked. */
-static inline __attribute__((always_inline)) void kcp_store8(__m256 y, float *c, const float *bias, const float *res,
-                                                              int act, long w, __m256i m) {
-  if (w >= 8) {
-    if (bias) y = _mm256_add_ps(y, _mm256_loadu_ps(bias));
-    if (res) y = _mm256_add_ps(y, _mm256_loadu_ps(res));
-    _mm256_storeu_ps(c, kcv_act8(y, act));
-  } else if (w > 0) {
-    if (bias) y = _mm256_add_ps(y, _mm256_maskload_ps(bias, m));
-    if (res) y = _mm256_add_ps(y, _mm256_maskload_ps(res, m));
-    _mm256_maskstore_ps(c, m, kcv_act8(y, act));
-  }
-}
-
 /* c[rows][w] = act(a[rows][K] @ panel + bias + res), rows <= 6 (rows past `rows` read row 0
    again and are not stored), w <= 16 columns */
 static void kcp_tile8(const float *a, long lda, long rows, long K, const float *bp, const float *bias,
@@ -134,8 +121,8 @@ static void kcp_tile8(const float *a, long lda, long rows, long K, const float *
   _Pragma("GCC unroll 6") for (int r = 0; r < 6; r++) {
     if (r >= rows) break;
     const float *rr = res ? res + r * ldc : 0;
-    kcp_store8(acc[r][0], c + r * ldc, bias, rr, act, w, m0);
-    kcp_store8(acc[r][1], c + r * ldc + 8, bias ? bias + 8 : 0, rr ? rr + 8 : 0, act, w - 8, m1);
+    kcv_store8(acc[r][0], c + r * ldc, bias, rr, act, w, m0);
+    kcv_store8(acc[r][1], c + r * ldc + 8, bias ? bias + 8 : 0, rr ? rr + 8 : 0, act, w - 8, m1);
   }
 }
 

@@ -45,6 +45,20 @@ static inline __m256 kcv_act8(__m256 y, int act) {
 static inline __m256i kcv_mask8(long w) {
   return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)w), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
+/* c[0..w) = act(y + bias + res) for the w <= 8 lanes of one register (m = kcv_mask8(w)); bias
+   and res optional; w <= 0 stores nothing */
+static inline __attribute__((always_inline)) void kcv_store8(__m256 y, float *c, const float *bias, const float *res,
+                                                              int act, long w, __m256i m) {
+  if (w >= 8) {
+    if (bias) y = _mm256_add_ps(y, _mm256_loadu_ps(bias));
+    if (res) y = _mm256_add_ps(y, _mm256_loadu_ps(res));
+    _mm256_storeu_ps(c, kcv_act8(y, act));
+  } else if (w > 0) {
+    if (bias) y = _mm256_add_ps(y, _mm256_maskload_ps(bias, m));
+    if (res) y = _mm256_add_ps(y, _mm256_maskload_ps(res, m));
+    _mm256_maskstore_ps(c, m, kcv_act8(y, act));
+  }
+}
 #endif
 /* c[0..w) = act(c + bias[0..w) + res[0..w)), bias and res optional: one row of a tile, in cache */
 static inline void kcv_post_row(float *c, const float *bias, const float *res, long w, int act) {
@@ -433,10 +447,8 @@ void kiln_conv_direct_f32(long N, long C, long H, long W, long OH, long OW, long
             if (p >= px) break;
             float *o = orow + (ow + p) * Cout + c0;
             const float *r = rrow ? rrow + (ow + p) * Cout + c0 : 0;
-            __m256 y0 = acc[p][0], y1 = acc[p][1];
-            if (r) { y0 = _mm256_add_ps(y0, _mm256_maskload_ps(r, m0)); y1 = _mm256_add_ps(y1, _mm256_maskload_ps(r + 8, m1)); }
-            _mm256_maskstore_ps(o, m0, kcv_act8(y0, act));
-            _mm256_maskstore_ps(o + 8, m1, kcv_act8(y1, act));
+            kcv_store8(acc[p][0], o, 0, r, act, cw, m0);
+            kcv_store8(acc[p][1], o + 8, 0, r ? r + 8 : 0, act, cw - 8, m1);
           }
 #else
           float acc[KDR_PX][KDR_CB];
