@@ -103,6 +103,15 @@ def test_grouped_query_attention():
     _check(*_qkv(2, 6, 17, 33, 8, 8, seed=8, hk=1))
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_key_and_value_batch_axes_broadcast_against_each_other(causal):
+    """k and v may differ in batch axes where they broadcast (Falcon's graph passes keys
+    expanded to the heads and one shared value head), as the op's type rule allows."""
+    q, k, v = _qkv(2, 4, 9, 13, 8, 8, seed=10)
+    _check(q, k, v[:, :1], causal=causal)
+    _check(q, k[:1, :1], v[:1], causal=causal)
+
+
 def test_strided_views_of_a_projection():
     # GPT-2 style: heads are a permuted view of [B, S, H, E]; the head axis is not unit-stride
     g = torch.Generator().manual_seed(9)
@@ -127,6 +136,8 @@ def test_bad_input_is_refused_clearly():
         attention(q, k, v, torch.ones(5, 3, dtype=torch.bool))
     with pytest.raises(TypeError, match="bool"):
         attention(q, k, v, torch.ones(3, 3, dtype=torch.int64))
+    with pytest.raises(ValueError, match="do not broadcast"):
+        attention(*_qkv(1, 2, 3, 3, 4, 4, hk=2)[:2], _qkv(1, 3, 3, 3, 4, 4)[2])
     with pytest.raises(ValueError, match="at least 2-d"):
         attention(q, k, torch.ones(3))
 

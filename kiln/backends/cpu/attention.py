@@ -132,9 +132,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     if is_causal and mask is not None:
         raise ValueError("give either a mask or is_causal=True, not both")
     group = 1
-    qbatch, kbatch = tuple(q.shape[:-2]), tuple(k.shape[:-2])
-    if tuple(v.shape[:-2]) != kbatch:
-        raise ValueError(f"k batch axes {kbatch} differ from v's {tuple(v.shape[:-2])}")
+    qbatch, kbatch, vbatch = tuple(q.shape[:-2]), tuple(k.shape[:-2]), tuple(v.shape[:-2])
+    if vbatch != kbatch:  # k and v broadcast against each other first (a shared value head)
+        try:
+            kbatch = tuple(torch.broadcast_shapes(kbatch, vbatch))
+        except RuntimeError:
+            raise ValueError(f"batch axes of k {kbatch} and v {vbatch} do not broadcast") from None
+        k, v = k.expand(*kbatch, *k.shape[-2:]), v.expand(*kbatch, *v.shape[-2:])
     if (len(qbatch) >= 1 and len(kbatch) == len(qbatch) and kbatch[-1] not in (1, qbatch[-1])
             and qbatch[-1] % kbatch[-1] == 0 and qbatch[:-1] == kbatch[:-1]):
         group = qbatch[-1] // kbatch[-1]  # grouped-query attention
