@@ -2,8 +2,9 @@
 odd sizes against float32 products of the same bf16 operands, the pair-panel layout, and
 models in bf16 (``amp="bf16"`` and ``model.to(torch.bfloat16)``) whose matmuls run on it.
 
-The kernel needs AVX-512 BF16; on other CPUs bf16 matmuls are library calls, which the
-model tests check instead (they run everywhere)."""
+The kernel needs AVX-512 BF16 (``vdpbf16ps``) or AVX2 + FMA (bf16 storage, float32 arithmetic);
+elsewhere bf16 matmuls are library calls, which the model tests check instead (they run
+everywhere)."""
 
 from __future__ import annotations
 
@@ -48,7 +49,7 @@ SIZES = [(1, 1, 1), (3, 17, 5), (17, 1000, 3), (1, 1000, 1000), (13, 33, 257), (
 @pytest.mark.parametrize("transposed", [False, True])
 def test_the_bf16_kernel_at_odd_sizes_matches_float32_products(micro, m, n, k, packed, transposed):
     if not _native(micro):
-        pytest.skip("this CPU has no AVX-512 BF16: kiln's bf16 GEMM is not offered")
+        pytest.skip("this CPU has neither AVX-512 BF16 nor AVX2: kiln's bf16 GEMM is not offered")
     g = torch.Generator().manual_seed(m * 10007 + n * 101 + k)
     a = torch.randn(m, k, generator=g).bfloat16()
     b = torch.randn(n, k, generator=g).bfloat16().T if transposed else torch.randn(k, n, generator=g).bfloat16()
@@ -66,11 +67,30 @@ def test_the_bf16_kernel_at_odd_sizes_matches_float32_products(micro, m, n, k, p
     _close_bf16(c, a.float() @ b.float(), f"{m}x{k} @ {k}x{n}")
 
 
+@pytest.mark.parametrize("m,k", [(1, 9), (1, 600), (7, 9), (13, 600)])  # few rows / tiles, one / three K blocks
+def test_results_round_to_nearest_even_like_torch(micro, m, k):
+    """Integer sums are exact in float32 in any order, so C must equal torch's rounding of
+    the exact product bit for bit; 256 + odd sums fall halfway between two bf16 values and
+    must go to the even one (as vcvtneps2bf16 and torch do), in every K block layout."""
+    if not _native(micro):
+        pytest.skip("this CPU has neither AVX-512 BF16 nor AVX2")
+    g = torch.Generator().manual_seed(k + m)
+    a = torch.randint(-2, 3, (m, k), generator=g).bfloat16()
+    b = torch.randint(-3, 4, (k, 35), generator=g).float()
+    b[0] *= 128  # sums near 256: ties between bf16 neighbours
+    b = b.bfloat16()
+    a[:, 0] = 2
+    c = torch.empty(m, 35, dtype=torch.bfloat16)
+    assert micro.bf16.gemm(m, 35, k, a.data_ptr(), k, 1, b.data_ptr(), 35, 1, False, c.data_ptr(), 35) == 0
+    exact = a.float() @ b.float()
+    assert torch.equal(c, exact.bfloat16()), f"first difference: {(c.float() - exact.bfloat16().float()).abs().max()}"
+
+
 @pytest.mark.parametrize("m,k", [(7, 300), (3, 301), (1, 5)])  # the tiles, the few-rows path (odd K)
 def test_a_strided_left_operand_and_a_wider_result_row(micro, m, k):
     """A read through strides (a transposed view) and C rows longer than N (``ldc``)."""
     if not _native(micro):
-        pytest.skip("this CPU has no AVX-512 BF16")
+        pytest.skip("this CPU has neither AVX-512 BF16 nor AVX2")
     a = torch.randn(k, m).bfloat16().T  # m x k, column-major
     b = torch.randn(k, 40).bfloat16()
     c = torch.zeros(m, 64, dtype=torch.bfloat16)

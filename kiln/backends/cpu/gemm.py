@@ -13,7 +13,7 @@ found by symbol: ``mkl`` (``sgemm_`` of ``libtorch_cpu``, 32-bit indices) and ``
 (``scipy_sgemm_64_`` of numpy's bundled OpenBLAS, 64-bit indices); and ``kiln``, kiln's own
 float32 GEMM (:mod:`.microgemm`, B read from 16-column panels; weights are packed once).
 bfloat16 GEMMs have one provider, kiln's bf16 GEMM (B in pair panels), where the CPU has
-AVX-512 BF16; elsewhere a bf16 matmul is no GEMM kernel here (a library call, torch's).
+AVX-512 BF16 or AVX2; elsewhere a bf16 matmul is no GEMM kernel here (a library call, torch's).
 Which is fastest depends on the CPU and the shape (on AMD Zen 2, kiln's GEMM runs the
 GEMMs of transformers ~1.5x faster than MKL; on one thread OpenBLAS beats MKL by ~30%,
 MKL won on matrix-vector shapes until kiln's GEMM had its few-rows path, and on an AMD EPYC

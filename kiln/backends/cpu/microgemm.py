@@ -503,7 +503,7 @@ class MicroGemm:
     @property
     def bf16(self) -> "Bf16Gemm | None":
         """kiln's bf16 GEMM (:mod:`.microgemm_bf16`), built by the same compiler on first use;
-        ``None`` where the CPU lacks AVX-512 BF16 or it does not build."""
+        ``None`` where the CPU has neither AVX-512 BF16 nor AVX2 + FMA, or it does not build."""
         from .microgemm_bf16 import load  # noqa: PLC0415 (it builds on this module's prelude)
 
         return load(self.directory, self.cc)
