@@ -204,3 +204,63 @@ def test_float16_models_still_compile_and_match(micro):
     with torch.no_grad():
         out, ref = compiled(x), model.float()(x.float())
     assert (out.float() - ref).abs().max().item() / ref.abs().max().item() < 1e-2
+
+
+# ------------------------------------------------------------------ half convolutions in float32
+
+from kiln.backends.cpu.library import WidenedConv  # noqa: E402
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_widened_half_convolution_matches_torchs(dtype):
+    """Strides, padding, dilation and groups reach the float32 call in their order; the result
+    is the half type, within a rounding or two of torch's own half convolution."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 6, 17, 13, generator=g).to(dtype)
+    w = torch.randn(8, 3, 3, 5, generator=g).to(dtype)
+    b = torch.randn(8, generator=g).to(dtype)
+    attrs = ((2, 1), (1, 2), (2, 1), 2)
+    out = WidenedConv(torch.nn.functional.conv2d, attrs, persistent_weight=False)(x, w, b)
+    ref = torch.nn.functional.conv2d(x.float(), w.float(), b.float(), *attrs)
+    assert out.dtype == dtype and out.shape == ref.shape
+    _close_bf16(out, ref, "widened conv")
+
+
+def test_a_widened_parameter_weight_is_kept_until_it_changes():
+    w = torch.randn(4, 3, 3, 3).bfloat16()
+    x = torch.randn(1, 3, 8, 8).bfloat16()
+    conv = WidenedConv(torch.nn.functional.conv2d, ((1, 1), (1, 1), (1, 1), 1), persistent_weight=True)
+    first = conv(x, w)
+    assert conv.weight(w) is conv.weight(w), "the widened copy is made again without a change"
+    with torch.no_grad():
+        w.mul_(2)
+    second = conv(x, w)
+    _close_bf16(second, 2 * first.float(), "after an in-place update")
+
+
+class _Cnn(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.patch = torch.nn.Conv2d(3, 16, 4, stride=4)
+        self.conv = torch.nn.Conv2d(16, 8, 3, padding=1, groups=2)
+        self.head = torch.nn.Linear(8, 5)
+
+    def forward(self, x):
+        h = torch.relu(self.conv(self.patch(x)))
+        return self.head(h.mean((2, 3)))
+
+
+@pytest.mark.parametrize("forced", ["1", "0"])  # widened, torch's half convolution
+def test_amp_bf16_convolutions_match_eager_either_way(monkeypatch, forced):
+    monkeypatch.setenv("KILN_NATIVE_KERNELS", forced)
+    torch.manual_seed(4)
+    model = _Cnn().eval()
+    x = torch.randn(2, 3, 20, 20)
+    with torch.no_grad():
+        ref = model(x)
+        compiled = kiln.compile(model, (x,), amp="bf16", backend="cpu", cache=False)
+        out = compiled(x)
+    assert (out - ref).abs().max().item() / ref.abs().max().item() < 3e-2
+    labels = [step for step in map(str, compiled.executable.plan.steps) if "conv" in step]
+    widened = [label for label in labels if "widened" in label]
+    assert len(widened) == (2 if forced == "1" else 0), labels

@@ -10,7 +10,7 @@ the cache), called through ``ctypes`` on the data pointers of torch tensors.
 :class:`KernelChooser` decides, per kernel family and shape signature, between kiln's kernel
 and the existing implementation: both are called in turn on random inputs of the node's
 shapes for a few rounds, each one's best time counts (a disturbance by other processes then
-hits both alike), and the choice is kept in ``kernels.json`` of the compile cache folder,
+hits both alike; a side 4x slower after the first round has lost), and the choice is kept in ``kernels.json`` of the compile cache folder,
 keyed by machine (a digest of the compiler's and the CPU's identity), threads and
 signature, so each shape is timed once per machine.
 ``KILN_NATIVE_KERNELS`` overrides the measurement: ``0`` never uses kiln's kernels, ``1``
@@ -83,6 +83,10 @@ def _machine() -> str:
     return hashlib.sha256(identity.encode()).hexdigest()[:16]
 
 
+DECISIVE = 4.0
+"""A first-round ratio of best times that ends :meth:`KernelChooser.measure` early."""
+
+
 class KernelChooser:
     """Chooses between kiln's kernel and the library implementation of one kernel family
     (``family``) by timing both (see the module docstring)."""
@@ -110,13 +114,17 @@ class KernelChooser:
         return choice
 
     def measure(self, kiln: Callable[[], object], library: Callable[[], object]) -> str:
-        """Time both in turn for ``rounds`` rounds; the one with the lower best time wins."""
+        """Time both in turn for ``rounds`` rounds; the one with the lower best time wins.
+        After the first round a side :data:`DECISIVE` times slower has lost (an emulated
+        half-precision library call can take 20x kiln's time: no need to run it five times)."""
         best = {"kiln": float("inf"), "library": float("inf")}
         for fn in (kiln, library):  # warm-up (first-call costs, packing)
             fn()
         for _ in range(self.rounds):
             for name, fn in (("kiln", kiln), ("library", library)):
                 best[name] = min(best[name], best_time(fn, repeat=1, warmup=0))
+            if max(best.values()) > DECISIVE * min(best.values()):
+                break
         return min(best, key=best.__getitem__)
 
 
