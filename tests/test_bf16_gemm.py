@@ -40,6 +40,7 @@ def _close_bf16(out: torch.Tensor, ref: torch.Tensor, what: str) -> None:
 
 
 SIZES = [(1, 1, 1), (3, 17, 5), (17, 1000, 3), (1, 1000, 1000), (13, 33, 257), (25, 48, 513), (100, 31, 600),
+         (197, 40, 300), (200, 17, 600),  # the split by rows (M >= 192, N <= 1024), one and three K blocks
          (4, 70, 33), (2, 65, 768), (5, 19, 7),  # the few-rows path (M <= 4) and just past it
          (1000, 17, 3), (3, 1, 1000)]
 

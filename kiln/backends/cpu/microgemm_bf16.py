@@ -25,9 +25,13 @@ instruction sets:
   torch's bf16 matmul is emulated (``128 x 768 @ 768 x 3072`` in 474 ms, f32: 5.2), it runs
   GPT-2's GEMMs at kiln's f32 speed (170-190 GFLOP/s at 2 threads, 91-95 at one) and one row
   (``1 x 1024 @ 1024 x 4096``) in 116 against 152 us for f32; GPT-2 small under
-  ``amp="bf16"`` takes 155 ms at sequence 128 (f32: 167, torch's GEMMs: 15.6 s) and 5.8 ms at
-  sequence 1 (f32: 9.6).  Only one row takes the streaming path here: from two rows on, its
+  ``amp="bf16"`` takes 154 ms at sequence 128 (f32: 163, torch's GEMMs: 15.6 s) and 5.6 ms at
+  sequence 1 (f32: 9.2).  Only one row takes the streaming path here: from two rows on, its
   widening and broadcasts of A outnumber the multiply-adds and the tiles are faster.
+
+A tall, narrow product (``M >= 192``, ``N <= 1024``) is split by rows between the threads, as in
+:mod:`.microgemm`: ViT's ``196 x 768 @ 768 x 192`` took 440 us with the shared blocks and their
+barriers, 345 split (AVX2, 2 threads).
 
 Without either ``kiln_mgemm_bf16_available()`` is 0 and bf16 GEMMs stay library calls.
 
@@ -356,9 +360,27 @@ static void kmbv_gemm(long M, long N, long K, const kmb_t *A, long am, long ak, 
   }
 }
 
+/* rows [m_lo, m_hi) of C by one thread (a tall, narrow product, as kmg_rows): its own A
+   blocks packed into its own work, every K block and panel, no barriers */
+static void kmb_rows(long m_lo, long m_hi, long N, long K, const kmb_t *A, long am, long ak, const kmb_t *B,
+                     float *Cf, kmb_t *C, long ldc, kmb_a_t *work) {
+  long units = ((N + KMG_NR - 1) / KMG_NR + KMB_UNIT_PANELS - 1) / KMB_UNIT_PANELS;
+  for (long ic = m_lo; ic < m_hi; ic += KMG_MC) {
+    long mc = m_hi - ic < KMG_MC ? m_hi - ic : KMG_MC;
+    long blocks = (mc + KMG_MR - 1) / KMG_MR;
+    for (long pc = 0; pc < K; pc += KMG_KC) {
+      long kc = K - pc < KMG_KC ? K - pc : KMG_KC, kc2 = (kc + 1) / 2;
+      for (long ib = 0; ib < blocks; ib++) kmb_pack_a(A, am, ak, ic, mc, ib, pc, kc, work + ib * KMG_MR * 2 * kc2);
+      for (long u = 0; u < units; u++)
+        for (long ib = 0; ib < blocks; ib++)
+          kmb_unit(N, K, B, Cf, C, ldc, ic, mc, ib, u, pc, kc, work + ib * KMG_MR * 2 * kc2);
+    }
+  }
+}
+
 /* C[M,N] (bf16, row stride ldc) = A @ B, as kiln_mgemm_f32 with bf16 operands; B in pair panels
    when packed (kiln_mgemm_pack_b_bf16), else element (k,n) at B[k*bk + n*bn].  Returns 0, or 1
-   when scratch memory could not be allocated (C is then not written). */
+   when scratch memory could not be allocated (C is then not written, or only in part). */
 int kiln_mgemm_bf16(long M, long N, long K, const kmb_t *A, long am, long ak, const kmb_t *B, long bk, long bn,
                     int packed, kmb_t *C, long ldc) {
   if (M <= 0 || N <= 0) return 0;
@@ -381,9 +403,33 @@ int kiln_mgemm_bf16(long M, long N, long K, const kmb_t *A, long am, long ak, co
   }
   long mc_max = M < KMG_MC ? M : KMG_MC, kc_max = K < KMG_KC ? K : KMG_KC;
   long mc_rounded = (mc_max + KMG_MR - 1) / KMG_MR * KMG_MR;
-  kmb_a_t *work = (kmb_a_t *)aligned_alloc(64, sizeof(kmb_a_t) * (size_t)(mc_rounded * (kc_max + 1)));
+  size_t bytes = sizeof(kmb_a_t) * (size_t)(mc_rounded * (kc_max + 1));
+  kmb_a_t *work = (kmb_a_t *)aligned_alloc(64, bytes);
   float *Cf = K > KMG_KC ? (float *)malloc(sizeof(float) * (size_t)(M * N)) : NULL;
   if (!work || (K > KMG_KC && !Cf)) { free(work); free(Cf); free(bscratch); return 1; }
+  if (M >= KMG_SPLIT_MIN_M && N <= KMG_SPLIT_MAX_N) {
+    /* row ranges per thread, as kiln_mgemm_f32 (196 x 768 @ 768 x 192 at 2 threads: 440 us
+       with the shared blocks and their barriers, ~330 split) */
+    int failed = 0;
+    #pragma omp parallel reduction(|:failed)
+    {
+#ifdef _OPENMP
+      long t = omp_get_thread_num(), T = omp_get_num_threads();
+#else
+      long t = 0, T = 1;
+#endif
+      long share = ((M + T - 1) / T + KMG_MR - 1) / KMG_MR * KMG_MR;
+      long lo = t * share, hi = lo + share < M ? lo + share : M;
+      kmb_a_t *mine = t == 0 ? work : (kmb_a_t *)aligned_alloc(64, bytes);
+      if (!mine) failed = 1;
+      else if (lo < hi) kmb_rows(lo, hi, N, K, A, am, ak, B, Cf, C, ldc, mine);
+      if (mine && mine != work) free(mine);
+    }
+    free(Cf);
+    free(work);
+    free(bscratch);
+    return failed;
+  }
   #pragma omp parallel
   {
     for (long pc = 0; pc < K; pc += KMG_KC) {
@@ -434,7 +480,7 @@ class Bf16Gemm:
     def gemm(self, m: int, n: int, k: int, a: int, am: int, ak: int, b: int, bk: int, bn: int, packed: bool,
              c: int, ldc: int) -> int:
         """One bf16 GEMM on raw pointers (``kiln_mgemm_bf16``; B in pair panels when ``packed``);
-        returns 0, or 1 when its scratch memory could not be allocated (C not written)."""
+        returns 0, or 1 when its scratch memory could not be allocated (C not written, or only in part)."""
         return self.lib.kiln_mgemm_bf16(m, n, k, a, am, ak, b, bk, bn, int(packed), c, ldc)
 
 
