@@ -159,7 +159,8 @@ def _widened_if_faster(node: Node, widened: WidenedConv, library: LibraryCall) -
     with torch.inference_mode(False):
         args = [torch.randn(shape, generator=gen).to(dtype) for shape in shapes]
     a = node.attrs
-    signature = f"{dtype} {shapes} stride={a['stride']} padding={a['padding']} dilation={a['dilation']} groups={a['groups']}"
+    signature = (f"{dtype} {shapes} stride={a['stride']} padding={a['padding']} dilation={a['dilation']} "
+                 f"groups={a['groups']}")
     with torch.inference_mode():
         choice = _WIDEN_CHOOSER.choose(signature, lambda: widened(*args), lambda: library.function(*args))
     if choice != "kiln":

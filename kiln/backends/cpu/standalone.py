@@ -10,9 +10,9 @@ the cache), called through ``ctypes`` on the data pointers of torch tensors.
 :class:`KernelChooser` decides, per kernel family and shape signature, between kiln's kernel
 and the existing implementation: both are called in turn on random inputs of the node's
 shapes for a few rounds, each one's best time counts (a disturbance by other processes then
-hits both alike; a side 4x slower after the first round has lost), and the choice is kept in ``kernels.json`` of the compile cache folder,
-keyed by machine (a digest of the compiler's and the CPU's identity), threads and
-signature, so each shape is timed once per machine.
+hits both alike; a side 4x slower after the first round has lost), and the choice is kept
+in ``kernels.json`` of the compile cache folder, keyed by machine (a digest of the compiler's
+and the CPU's identity), threads and signature, so each shape is timed once per machine.
 ``KILN_NATIVE_KERNELS`` overrides the measurement: ``0`` never uses kiln's kernels, ``1``
 always does where they apply (tests use both).
 """
