@@ -224,8 +224,8 @@ def test_choice_is_timed_on_the_layout_the_graph_passes(monkeypatch):
     node = _sdpa_node(shape=(1, 3, 17, 8), causal=False)
     strides = [(3 * 17 * 3 * 8, 8, 3 * 3 * 8, 1)] * 3  # [B, L, 3, H, E] permuted to [B, H, L, E]
     made = []
-    original = attention_module._random_like
-    monkeypatch.setattr(attention_module, "_random_like",
+    original = attention_module.random_operands
+    monkeypatch.setattr(attention_module, "random_operands",
                         lambda n, s: made.append(original(n, s)) or made[-1])
     assert attention_call(node, strides=strides).label.startswith("kiln fused attention")
     assert [t.stride() for t in made[0]] == strides
@@ -279,7 +279,7 @@ def test_choice_times_a_broadcast_mask_through_its_zero_strides(monkeypatch):
     ins.append(g.add_input("mask", TensorType((1, 3, 17, 17), DType.float32)))
     node = g.add_node("scaled_dot_product_attention", ins, {"is_causal": False})
     strides = [None, None, None, (0, 0, 0, 1)]  # one additive bias per key, expanded
-    made = attention_module._random_like(node, strides)
+    made = attention_module.random_operands(node, strides)
     assert made[3].stride() == (0, 0, 0, 1) and made[0].is_contiguous()
     assert attention_call(node, strides=strides).label.startswith("kiln fused attention")
 

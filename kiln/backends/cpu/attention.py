@@ -64,7 +64,7 @@ from kiln.ir import Node
 from kiln.runtime.tensors import torch_dtype
 
 from .attention_source import KEY_BLOCK, QUERY_TILE, SOURCE
-from .standalone import KernelChooser, load_library, pointer, threads
+from .standalone import KernelChooser, load_library, pointer, random_operands, threads
 
 
 
@@ -185,24 +185,6 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
 _CHOOSER = KernelChooser("attention", source=SOURCE)
 
 
-def _random_like(node: Node, strides: Sequence[tuple[int, ...] | None]) -> list[torch.Tensor]:
-    """Random operands of ``node``'s shapes, each with ``strides[i]`` where given (the layout
-    the compiled graph passes: a view of a wider projection leaves gaps in its storage)."""
-    gen = torch.Generator().manual_seed(0)
-    tensors = []
-    for value, stride in zip(node.inputs, strides):
-        shape = tuple(value.shape)
-        layout = stride is not None and len(stride) == len(shape) and all(s >= 0 for s in stride)
-        # random storage seen through the strides (which may repeat elements: a broadcast mask)
-        size = 1 + sum((n - 1) * s for n, s in zip(shape, stride)) if layout and all(shape) else None
-        if value.dtype.name == "bool":
-            data = torch.rand(size or shape, generator=gen) < 0.8
-        else:
-            data = torch.randn(size or shape, generator=gen).to(torch_dtype(value.dtype))
-        tensors.append(data.as_strided(shape, stride) if size else data)
-    return tensors
-
-
 def attention_call(node: Node, persistent: Sequence[bool] = (),
                    strides: Sequence[tuple[int, ...] | None] | None = None) -> LibraryCall:
     """The library call of a ``scaled_dot_product_attention`` node: kiln's kernel where it
@@ -226,7 +208,7 @@ def attention_call(node: Node, persistent: Sequence[bool] = (),
     strides = list(strides) if strides is not None else [None] * len(node.inputs)
     signature = (f"{[tuple(v.shape) for v in node.inputs]} {[v.dtype.name for v in node.inputs]} causal={is_causal}"
                  + (f" strides={strides}" if any(s is not None for s in strides) else ""))
-    args = _random_like(node, strides)
+    args = random_operands(node, strides)
     with torch.inference_mode():
         choice = _CHOOSER.choose(signature, lambda: fused(*args), lambda: sdpa(*args))
     if choice == "kiln":

@@ -54,13 +54,13 @@ from kiln.backends.common.library import LibraryCall
 from kiln.backends.common.select import Selection
 from kiln.ir import Node
 from kiln.ir.types import DType, normalize_dim
-from kiln.runtime.tensors import from_numpy, to_numpy, torch_dtype
+from kiln.runtime.tensors import from_numpy, to_numpy
 
 from .attention import attention_call
 from .conv import native_conv
 from .conv_plan import KilnConvCall
-from .packed_conv import PackedConv, packed_conv_available
-from .standalone import KernelChooser
+from .packed_conv import PackedConv, packed_conv_available, version_key
+from .standalone import KernelChooser, random_operands
 
 
 def _matmul(node: Node, persistent: Sequence[bool] = ()) -> LibraryCall:
@@ -131,17 +131,18 @@ class WidenedConv:
 
     def __init__(self, conv: Callable[..., torch.Tensor], attrs: tuple, persistent_weight: bool):
         self.conv, self.attrs, self.persistent_weight = conv, attrs, persistent_weight
-        self._weight: torch.Tensor | None = None
-        self._key: tuple | None = None
+        self._widened: tuple[tuple, torch.Tensor, torch.Tensor] | None = None
 
     def weight(self, w: torch.Tensor) -> torch.Tensor:
         """``w`` in float32: the kept copy while ``w`` is the same version of the same parameter."""
-        if not self.persistent_weight or w.is_inference():  # an inference tensor has no version counter
-            return w.float()
-        key = (w.data_ptr(), w._version, tuple(w.shape), tuple(w.stride()))
-        if key != self._key:
-            self._weight, self._key = w.float(), key
-        return self._weight
+        key = version_key([w]) if self.persistent_weight else None  # None: never reused
+        kept = self._widened
+        if kept is not None and key is not None and kept[0] == key:
+            return kept[1]
+        widened = w.float()
+        if key is not None:
+            self._widened = (key, widened, w)  # the source kept: see version_key
+        return widened
 
     def __call__(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
         out = self.conv(x.float(), self.weight(w), None if b is None else b.float(), *self.attrs)
@@ -154,12 +155,10 @@ def _widened_if_faster(node: Node, widened: WidenedConv, library: LibraryCall) -
     shapes = [tuple(v.shape) for v in node.inputs]
     if any(not isinstance(d, int) for shape in shapes for d in shape):
         return library
-    dtype = torch_dtype(node.inputs[0].dtype)
-    gen = torch.Generator().manual_seed(0)
-    with torch.inference_mode(False):
-        args = [torch.randn(shape, generator=gen).to(dtype) for shape in shapes]
+    with torch.inference_mode(False):  # like parameters: a weight with a version counter
+        args = random_operands(node, [None] * len(shapes))
     a = node.attrs
-    signature = (f"{dtype} {shapes} stride={a['stride']} padding={a['padding']} dilation={a['dilation']} "
+    signature = (f"{node.inputs[0].dtype.name} {shapes} stride={a['stride']} padding={a['padding']} dilation={a['dilation']} "
                  f"groups={a['groups']}")
     with torch.inference_mode():
         choice = _WIDEN_CHOOSER.choose(signature, lambda: widened(*args), lambda: library.function(*args))

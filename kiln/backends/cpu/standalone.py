@@ -23,14 +23,16 @@ import ctypes
 import functools
 import hashlib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
 
 from kiln.backends.common.choices import ChoiceStore
 from kiln.backends.common.toolchain import build_cached
+from kiln.ir import Node
 from kiln.runtime.cache import CompileCache, default_cache_dir
+from kiln.runtime.tensors import torch_dtype
 from kiln.runtime.timing import best_time
 
 from . import toolchain
@@ -128,9 +130,28 @@ class KernelChooser:
         return min(best, key=best.__getitem__)
 
 
+def random_operands(node: Node, strides: Sequence[tuple[int, ...] | None]) -> list[torch.Tensor]:
+    """Random operands of ``node``'s shapes, each with ``strides[i]`` where given (the layout
+    the compiled graph passes: a view of a wider projection leaves gaps in its storage)."""
+    gen = torch.Generator().manual_seed(0)
+    tensors = []
+    for value, stride in zip(node.inputs, strides):
+        shape = tuple(value.shape)
+        layout = stride is not None and len(stride) == len(shape) and all(s >= 0 for s in stride)
+        # random storage seen through the strides (which may repeat elements: a broadcast mask)
+        size = 1 + sum((n - 1) * s for n, s in zip(shape, stride)) if layout and all(shape) else None
+        if value.dtype.name == "bool":
+            data = torch.rand(size or shape, generator=gen) < 0.8
+        else:
+            data = torch.randn(size or shape, generator=gen).to(torch_dtype(value.dtype))
+        tensors.append(data.as_strided(shape, stride) if size else data)
+    return tensors
+
+
 def pointer(t: torch.Tensor | None) -> ctypes.c_void_p:
     """The data pointer of ``t`` (NULL for ``None``)."""
     return ctypes.c_void_p(t.data_ptr() if t is not None else 0)
 
 
-__all__ = ["CHOICES", "ENV_VAR", "KernelChooser", "load_library", "pointer", "runner_library", "threads"]
+__all__ = ["CHOICES", "ENV_VAR", "KernelChooser", "load_library", "pointer", "random_operands", "runner_library",
+           "threads"]
