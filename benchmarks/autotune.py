@@ -45,6 +45,35 @@ POLY_SIZES = {
     "jacobi-2d": dict(T=8, N=256),
     "heat-3d": dict(T=4, N=40),
 }
+POLY_TRAIN_SIZES = {
+    "bicg": dict(M=512, N=512),
+    "trmm": dict(M=128, N=128, alpha=1.5),
+    "fdtd-2d": dict(TMAX=4, NX=128, NY=128),
+    "seidel-2d": dict(T=2, N=128),
+    "conv2d": dict(H=256, W=256),
+    "jacobi-1d": dict(T=16, N=4096),
+}
+"""PolyBench kernels the policy also trains on (never in the kernel table, never held out)."""
+
+
+STAGE_NAMES = {"fitted": "the fit to the demonstrations", "dagger": "DAgger"}
+
+
+def poly_kernel(name: str) -> kl.Program:
+    return kl.from_c((POLY / f"{name}.c").read_text(), name="pb_" + name.replace("-", "_"))
+
+
+def policy_corpus(train: list[tuple[kl.Program, dict, str]], extra: bool) -> list[tuple[kl.Program, dict, str]]:
+    """The policy's training kernels: ``train`` and, with ``extra``, the
+    :data:`POLY_TRAIN_SIZES` kernels, then every training PolyBench kernel also at half and
+    twice its sizes (time steps kept)."""
+    if not extra:
+        return list(train)
+    poly = [(poly_kernel(name), sizes, "elementwise") for name, sizes in POLY_TRAIN_SIZES.items()]
+    poly += [(p, params, kind) for p, params, kind in train if params]
+    scaled = [(p, {k: (max(4, int(v * f)) if isinstance(v, int) and k not in ("T", "TMAX") else v)
+                   for k, v in params.items()}, kind) for f in (0.5, 2.0) for p, params, kind in poly]
+    return [*train, *poly[: len(POLY_TRAIN_SIZES)], *scaled]
 
 
 @functools.lru_cache(maxsize=1)
@@ -72,8 +101,7 @@ def kernel_set() -> list[tuple[str, kl.Program, dict, str]]:
     program, kind, _ = model_kernels(RowSum(), (torch.randn(256, 1024),), threads=torch.get_num_threads())[0]
     out.append(("sum of squares 256x1024", program, {}, kind))
     for name, sizes in POLY_SIZES.items():
-        out.append((f"polybench {name}", kl.from_c((POLY / f"{name}.c").read_text(), name="pb_" + name.replace("-", "_")),
-                    sizes, "elementwise"))
+        out.append((f"polybench {name}", poly_kernel(name), sizes, "elementwise"))
     return out
 
 
@@ -145,37 +173,67 @@ def run_policy(args: argparse.Namespace, rows: list[dict[str, Any]]) -> dict[str
     from stable_baselines3.common.callbacks import BaseCallback
 
     from kiln.tuning.autotune.env import ScheduleKernelEnv
+    from kiln.tuning.autotune.imitation import clone, dagger, demonstrations
+    from kiln.tuning.autotune.measure import compile_pool
+    from kiln.tuning.autotune.policy import SlotPolicy
 
     kernels = kernel_set()
-    train = [(p, params, kind) for i, (_, p, params, kind) in enumerate(kernels) if i % 2 == 0]
+    train = policy_corpus([(p, params, kind) for i, (_, p, params, kind) in enumerate(kernels) if i % 2 == 0],
+                          args.rl_extra)
     held = [(i, name, p, params, kind) for i, (name, p, params, kind) in enumerate(kernels) if i % 2 == 1]
-    env = ScheduleKernelEnv(train, max_steps=6, threads=torch.get_num_threads(), start=args.rl_start)
-    deadline = time.monotonic() + args.rl_seconds
+    start = time.monotonic()
+    deadline = start + args.rl_seconds
+    env = ScheduleKernelEnv(train, max_steps=6, threads=torch.get_num_threads(), start=args.rl_start,
+                            pool=compile_pool(2))
 
     class Stop(BaseCallback):
         def _on_step(self) -> bool:
             return time.monotonic() < deadline
 
-    agent = MaskablePPO("MlpPolicy", env, n_steps=48, batch_size=48, n_epochs=4, seed=0, verbose=0)
-    start = time.monotonic()
-    agent.learn(total_timesteps=100_000, callback=Stop())
-    trained_s = time.monotonic() - start
-    out = {"train_seconds": trained_s, "train_steps": int(agent.num_timesteps), "start": args.rl_start, "kernels": []}
+    agent = MaskablePPO(SlotPolicy, env, n_steps=48, batch_size=48, n_epochs=4, ent_coef=args.rl_entropy, seed=0,
+                        verbose=0)
+    out: dict[str, Any] = {"start": args.rl_start, "train_kernels": len(train), "samples": args.rl_samples,
+                           "kernels": []}
     evaluate = ScheduleKernelEnv([(p, params, kind) for _, _, p, params, kind in held], max_steps=6,
                                  threads=torch.get_num_threads(), start=args.rl_start)
-    for j, (i, name, *_rest) in enumerate(held):
-        obs, _ = evaluate.reset(options={"index": j})
-        done = False
-        while not done:
-            action, _ = agent.predict(obs, action_masks=evaluate.action_masks(), deterministic=True)
-            obs, reward, terminated, truncated, _ = evaluate.step(int(action))
-            done = terminated or truncated
-        speedup = 2 ** evaluate.measured_speedup()  # measured once at the episode's end (cached)
+
+    def policy(obs, mask, deterministic):
+        return int(agent.predict(obs, action_masks=mask, deterministic=deterministic)[0])
+
+    def held_out() -> list[dict[str, Any]]:
+        torch.manual_seed(0)  # the sampled episodes
+        return [evaluate.rollouts(policy, j, samples=args.rl_samples) for j in range(len(held))]
+
+    stages: dict[str, list[dict[str, Any]]] = {}
+    if args.rl_clone:
+        demos = demonstrations(env)
+        out["demonstration_measurements"] = sum(d.measurements for d in demos)
+        out["clone_error"] = clone(agent, demos)
+        out["demonstration_seconds"] = time.monotonic() - start
+        print(f"{len(demos)} demonstrations ({out['demonstration_measurements']} measurements) in "
+              f"{out['demonstration_seconds']:.0f} s", flush=True)
+        stages["fitted"] = held_out()
+        if args.rl_dagger:
+            data = dagger(env, agent, demos, rounds=args.rl_dagger)
+            out["dagger_measurements"] = sum(d.measurements for d in data) - out["demonstration_measurements"]
+            out["dagger_seconds"] = time.monotonic() - start - out["demonstration_seconds"]
+            print(f"DAgger: {args.rl_dagger} rounds, {out['dagger_measurements']} measurements in "
+                  f"{out['dagger_seconds']:.0f} s", flush=True)
+            stages["dagger"] = held_out()
+    if args.rl_ppo and time.monotonic() < deadline:
+        agent.learn(total_timesteps=100_000, callback=Stop())
+    out["train_seconds"], out["train_steps"] = time.monotonic() - start, int(agent.num_timesteps)
+    final = held_out() if args.rl_ppo or not stages else list(stages.values())[-1]
+    for j, ((i, name, *_rest), r) in enumerate(zip(held, final)):
         evo = rows[i]["evolutionary"]
-        out["kernels"].append({"kernel": name, "policy": speedup, "policy_with_fallback": max(1.0, speedup),
+        out["kernels"].append({"kernel": name, "policy": r["speedup"], "policy_with_fallback": max(1.0, r["speedup"]),
+                               "deterministic": r["deterministic"], "measurements": r["measurements"],
+                               "stages": {k: v[j]["speedup"] for k, v in stages.items()},
                                "evolutionary": evo["speedup"], "evolutionary_measurements": evo["counts"]["measured"],
-                               "trace": evaluate.schedule.trace})
-        print(f"policy on {name}: {speedup:.2f}x (evolutionary {evo['speedup']:.2f}x)", flush=True)
+                               "trace": r["trace"]})
+        print(f"policy on {name}: {r['speedup']:.2f}x with {r['measurements']} measurements, deterministic "
+              f"{r['deterministic']:.2f}x, stages {out['kernels'][-1]['stages']} "
+              f"(evolutionary {evo['speedup']:.2f}x)", flush=True)
     return out
 
 
@@ -244,16 +302,37 @@ def markdown(report: dict[str, Any]) -> str:
     rl = report.get("policy")
     if rl:
         begin = ("kiln's default schedule" if rl.get("start") == "default" else "the unscheduled program")
-        lines += ["", f"MaskablePPO policy: trained {rl['train_seconds']:.0f} s ({rl['train_steps']} steps) on the "
-                      f"even-numbered kernels, episodes starting from {begin}, evaluated once (one measurement) "
-                      "on the odd-numbered ones:", "",
-                  "| held-out kernel | policy | policy, default as fallback | evolutionary (measurements) |",
-                  "|---|---|---|---|"]
+        extra = rl.get("train_kernels", 7) - 7
+        corpus = "the even-numbered kernels" + (
+            f" and {extra} more (PolyBench {', '.join(POLY_TRAIN_SIZES)}, and the training PolyBench kernels at half "
+            "and twice their sizes)" if extra > 0 else "")
+        steps = []
+        if "demonstration_seconds" in rl:
+            steps.append(f"fitted to measured greedy demonstrations ({rl['demonstration_measurements']} measurements, "
+                         f"{rl['demonstration_seconds']:.0f} s)")
+        if "dagger_seconds" in rl:
+            steps.append(f"DAgger ({rl['dagger_measurements']} measurements, {rl['dagger_seconds']:.0f} s)")
+        if rl["train_steps"]:
+            steps.append(f"PPO ({rl['train_steps']} steps)")
+        lines += ["", f"MaskablePPO policy (`SlotPolicy`) on {rl['train_kernels']} kernels, {corpus}: "
+                      f"{', then '.join(steps)}; {rl['train_seconds']:.0f} s in all, episodes starting "
+                      f"from {begin}; evaluated on the odd-numbered ones with "
+                      f"{rl['samples']} episodes each (the first deterministic, the others sampled from the "
+                      "policy; every distinct final schedule measured, the fastest timed again against the "
+                      "default):", "",
+                  "| held-out kernel | policy | measurements | deterministic episode alone | "
+                  "policy, default as fallback | " + "".join(f"after {STAGE_NAMES[k]} | " for k in rl["stage_geomeans"])
+                  + "evolutionary (measurements) |",
+                  "|---|---|---|---|---|" + "---|" * len(rl["stage_geomeans"]) + "---|"]
         for k in rl["kernels"]:
-            lines.append(f"| {k['kernel']} | {k['policy']:.2f}x | {k['policy_with_fallback']:.2f}x | "
-                         f"{k['evolutionary']:.2f}x ({k['evolutionary_measurements']}) |")
-        lines += ["", f"Geomean: policy {rl['geomean_policy']:.2f}x, with fallback {rl['geomean_fallback']:.2f}x, "
-                      f"evolutionary {rl['geomean_evolutionary']:.2f}x."]
+            lines.append(f"| {k['kernel']} | {k['policy']:.2f}x | {k['measurements']} | {k['deterministic']:.2f}x | "
+                         f"{k['policy_with_fallback']:.2f}x | " + "".join(f"{v:.2f}x | " for v in k["stages"].values())
+                         + f"{k['evolutionary']:.2f}x ({k['evolutionary_measurements']}) |")
+        lines += ["", f"Geomean: policy {rl['geomean_policy']:.2f}x, deterministic episode alone "
+                      f"{rl['geomean_deterministic']:.2f}x, with fallback {rl['geomean_fallback']:.2f}x, "
+                      + "".join(f"after {STAGE_NAMES[k]} {v:.2f}x, " for k, v in rl["stage_geomeans"].items()) +
+                      f"evolutionary {rl['geomean_evolutionary']:.2f}x "
+                      f"(policy / evolutionary: {rl['geomean_policy'] / rl['geomean_evolutionary'] * 100:.0f}%)."]
     models = report.get("models")
     if models:
         lines += ["", "| model | default (ms) | tuned (ms) | change | kernels tuned | tuning time (s) |",
@@ -281,6 +360,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rl-seconds", type=float, default=300, help="MaskablePPO training time (0: skip)")
     parser.add_argument("--rl-start", choices=("default", "unscheduled"), default="default",
                         help="where the policy's episodes start: kiln's default schedule or the unscheduled program")
+    parser.add_argument("--rl-samples", type=int, default=4,
+                        help="episodes (and at most as many measurements) per held-out kernel: the first deterministic")
+    parser.add_argument("--rl-entropy", type=float, default=0.01, help="MaskablePPO's entropy bonus (ent_coef)")
+    parser.add_argument("--rl-extra", action=argparse.BooleanOptionalAction, default=True,
+                        help="train the policy on more PolyBench kernels and sizes as well (policy_corpus)")
+    parser.add_argument("--rl-clone", action=argparse.BooleanOptionalAction, default=True,
+                        help="fit the policy to measured greedy demonstrations before PPO (imitation.clone)")
+    parser.add_argument("--rl-dagger", type=int, default=1, help="DAgger rounds after the fit (imitation.dagger)")
+    parser.add_argument("--rl-ppo", action=argparse.BooleanOptionalAction, default=True,
+                        help="spend what is left of --rl-seconds on PPO after the fit")
     parser.add_argument("--models", default="tiny-mlp-b16,transformer block,mlp-b1")
     parser.add_argument("--model-budget", type=float, default=120, help="tune_model budget per model (0: skip)")
     parser.add_argument("--out", default=None, help="write the report as JSON here")
@@ -308,6 +397,9 @@ def main(argv: list[str] | None = None) -> int:
         rl = run_policy(args, rows)
         rl["geomean_policy"] = geomean([k["policy"] for k in rl["kernels"]])
         rl["geomean_fallback"] = geomean([k["policy_with_fallback"] for k in rl["kernels"]])
+        rl["geomean_deterministic"] = geomean([k["deterministic"] for k in rl["kernels"]])
+        rl["stage_geomeans"] = {stage: geomean([k["stages"][stage] for k in rl["kernels"]])
+                                for stage in (rl["kernels"][0]["stages"] if rl["kernels"] else {})}
         rl["geomean_evolutionary"] = geomean([k["evolutionary"] for k in rl["kernels"]])
         report["policy"] = rl
     if args.model_budget > 0:

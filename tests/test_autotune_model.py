@@ -131,6 +131,101 @@ def test_episodes_can_start_from_the_default_schedule():
         ScheduleKernelEnv(start="somewhere")
 
 
+def test_loop_features_see_the_stride_and_the_reduction_of_each_loop():
+    """mvt's second nest reads ``A[j][i]`` along ``j``: strided there, unit-stride along
+    ``i``; both nests carry their reduction on ``j``.  Interchanging the second nest swaps
+    what its loops see -- what the policy's per-slot observation tells it."""
+    from kiln.tuning.autotune.features import LOOP_FEATURE_NAMES, loop_features
+
+    mvt = kl.from_c("for (i = 0; i < N; i++) for (j = 0; j < N; j++) x1[i] = x1[i] + A[i][j] * y1[j];"
+                    " for (i = 0; i < N; i++) for (j = 0; j < N; j++) x2[i] = x2[i] + A[j][i] * y2[j];")
+    f = {name: dict(zip(LOOP_FEATURE_NAMES, v)) for name, v in loop_features(mvt).items()}
+    i1, j1, i2, j2 = (loop.name for loop in mvt.loops())
+    assert f[j1]["log_strided"] == 0 and f[j1]["log_unit"] > 0 and f[j1]["reduction"] == 1
+    assert f[j2]["log_strided"] > 0 and f[j2]["reduction"] == 1
+    assert f[i2]["log_unit"] > f[j2]["log_unit"] and f[i1]["reduction"] == 0
+    s = kl.Schedule(mvt)
+    s.interchange(i2, j2)
+    g = {name: dict(zip(LOOP_FEATURE_NAMES, v)) for name, v in loop_features(s.program()).items()}
+    inner = [loop.name for loop in s.program().loops()][-1]
+    assert g[inner]["log_strided"] == 0 and g[inner]["reduction"] == 0
+
+
+def test_policy_rollouts_measure_each_distinct_final_schedule():
+    """``rollouts`` runs a policy's episodes on one kernel and keeps the fastest: a policy that
+    always stops gives the default schedule, measured once however many episodes it runs."""
+    pytest.importorskip("gymnasium")
+    from kiln.backends.cpu.schedules import strategy_schedule
+    from kiln.tuning.autotune.env import ScheduleKernelEnv
+
+    env = ScheduleKernelEnv(max_steps=3, threads=1, start="default", repeat=1)
+    seen = []
+
+    def stop(obs, mask, deterministic):
+        seen.append(deterministic)
+        assert mask[-1] and obs.shape == env.observation_space.shape
+        return len(env.actions) - 1
+
+    r = env.rollouts(stop, 1, samples=3, remeasure=1)
+    static, _, kind = env.kernels[1]
+    assert seen == [True, False, False] and r["measurements"] == 1
+    assert r["trace"] == strategy_schedule(static, kind, threads=1).trace and r["speedup"] > 0
+
+
+def test_a_policy_cloned_from_a_greedy_demonstration_prefers_the_measured_best_step():
+    """The greedy demonstration measures every legal step; ``clone`` fits the policy's scores
+    to those gains, so the slot policy's choice in that state is the step measured fastest
+    (``stop`` if none gained), and the demonstration's own steps were all legal."""
+    pytest.importorskip("gymnasium")
+    sb3_contrib = pytest.importorskip("sb3_contrib")
+    from kiln.tuning.autotune.env import ScheduleKernelEnv, default_kernels
+    from kiln.tuning.autotune.imitation import clone, greedy_demonstration
+    from kiln.tuning.autotune.policy import SlotPolicy
+
+    rows = [k for k in default_kernels() if k[2] == "reduction"]
+    env = ScheduleKernelEnv([(rows[0][0], {"N": 32, "M": 128}, "reduction")], max_steps=2, threads=1,
+                            start="default", repeat=1)
+    demo = greedy_demonstration(env, 0, min_gain=1.0)
+    assert demo.measurements >= len(demo.gains[0]) - 1 > 0
+    assert all(mask[a] for mask, a in zip(demo.masks, demo.actions))
+    assert demo.actions[-1] == len(env.actions) - 1 or len(demo.actions) == env.max_steps
+    agent = sb3_contrib.MaskablePPO(SlotPolicy, env, n_steps=8, batch_size=8, seed=0, verbose=0)
+    assert clone(agent, [demo], epochs=400) < 0.05
+    first = demo.gains[0]
+    action, _ = agent.predict(demo.observations[0], action_masks=demo.masks[0], deterministic=True)
+    assert int(action) == max(first, key=first.get)
+
+
+def test_dagger_labels_the_states_the_policy_itself_reaches():
+    """``dagger`` runs the fitted policy and labels the states it visits with measured gains:
+    the new episodes take the policy's own actions (legal ones), and they are fitted too."""
+    pytest.importorskip("gymnasium")
+    sb3_contrib = pytest.importorskip("sb3_contrib")
+    from kiln.tuning.autotune.env import ScheduleKernelEnv, default_kernels
+    from kiln.tuning.autotune.imitation import dagger, measured_episode
+    from kiln.tuning.autotune.policy import SlotPolicy
+
+    rows = [k for k in default_kernels() if k[2] == "reduction"]
+    env = ScheduleKernelEnv([(rows[0][0], {"N": 32, "M": 128}, "reduction")], max_steps=2, threads=1,
+                            start="default", repeat=1)
+    first_legal = measured_episode(env, 0, lambda obs, mask, gains: int(np.flatnonzero(mask)[0]))
+    assert first_legal.actions[0] == int(np.flatnonzero(first_legal.masks[0])[0])
+    agent = sb3_contrib.MaskablePPO(SlotPolicy, env, n_steps=8, batch_size=8, seed=0, verbose=0)
+    data = dagger(env, agent, [first_legal], epochs=50)
+    assert len(data) == 2 and data[0] is first_legal
+    mine = data[1]
+    assert all(mask[a] for mask, a in zip(mine.masks, mine.actions))
+    assert all(set(g) == set(np.flatnonzero(mask)) for g, mask in zip(mine.gains, mine.masks))
+
+
+def test_slot_policy_refuses_an_observation_of_another_layout():
+    pytest.importorskip("sb3_contrib")
+    from kiln.tuning.autotune.policy import SlotScorer
+
+    with pytest.raises(ValueError, match="not ScheduleKernelEnv's layout"):
+        SlotScorer(10)
+
+
 @pytest.mark.slow
 def test_maskable_ppo_trains_on_the_environment():
     pytest.importorskip("gymnasium")

@@ -10,7 +10,10 @@
 * :func:`tune_model` (:mod:`.model`): tune every generated kernel of a model's cpu build;
   the records make later builds replay the tuned schedules;
 * :mod:`.env`: ``kiln/ScheduleKernel-v0``, a gymnasium environment whose action mask is
-  the legality check (registered on import when gymnasium is installed).
+  the legality check (registered on import when gymnasium is installed);
+  :mod:`.policy` (``SlotPolicy``, a MaskablePPO policy that scores each loop slot with
+  shared weights) and :mod:`.imitation` (measured greedy demonstrations, and fitting a
+  policy to them before PPO).
 """
 
 from .search import STRATEGIES, TuneResult, autotune, tune

@@ -21,13 +21,19 @@ episode is measured (``info["measured"]``).
 
 Observations: the :mod:`.features` of the current scheduled program, then per slot
 (exists, depth, log2 extent, innermost, has a directly nested loop, parallel, vectorized,
-unrolled), then the fraction of steps used.
+unrolled, then :func:`~.features.loop_features`: how the accesses inside the loop move along
+it and whether it carries a reduction), then the fraction of steps used.  A loop already
+marked (parallel, vectorized, unrolled) offers no second mark.
+:meth:`ScheduleKernelEnv.successors` gives the schedule each legal action leads to (what
+:mod:`.imitation` measures), :meth:`ScheduleKernelEnv.rollouts` schedules one kernel with a
+policy's episodes and measures their outcomes.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Executor
 from typing import Any
 
 import gymnasium as gym
@@ -40,11 +46,12 @@ from kiln.ir.loops.program import Program
 from kiln.passes.schedule import Schedule
 
 from . import space
-from .features import FEATURE_NAMES, features
+from .features import FEATURE_NAMES, LOOP_FEATURE_NAMES, features, loop_features
 from .measure import Measurer, specialize
 
-ACTION_KINDS = ("parallel", "vectorize", "unroll4", "interchange", "tile16", "tile32", "tile64", "fission1")
-SLOT_FEATURES = 8
+ACTION_KINDS = ("parallel", "vectorize", "unroll4", "unroll8", "interchange", "tile16", "tile32", "tile64",
+                "fission1")
+SLOT_FEATURES = 8 + len(LOOP_FEATURE_NAMES)
 INVALID_PENALTY = -0.01
 OBS_BOUND = 1e4
 """Features are logs, counts and flags: far inside this bound."""
@@ -82,7 +89,7 @@ class ScheduleKernelEnv(gym.Env):
     def __init__(self, kernels: Sequence[tuple[Program, Mapping[str, int | float], str]] | None = None, *,
                  max_steps: int = 6, max_loops: int = 8, reward: str = "measured", cost_model: Any = None,
                  measure_every: int = 4, threads: int = 2, repeat: int = 3, cache_dir: str | None = None,
-                 start: str = "unscheduled"):
+                 start: str = "unscheduled", pool: Executor | None = None):
         if start not in ("unscheduled", "default"):
             raise ValueError(f"ScheduleKernelEnv: start must be 'unscheduled' or 'default', got {start!r}")
         self.start = start
@@ -100,7 +107,7 @@ class ScheduleKernelEnv(gym.Env):
             raise ValueError("ScheduleKernelEnv: give at least one kernel")
         self.max_steps, self.max_loops = int(max_steps), int(max_loops)
         self.reward_mode, self.cost_model, self.measure_every = reward, cost_model, max(1, int(measure_every))
-        self.threads, self.repeat, self.cache_dir = threads, repeat, cache_dir
+        self.threads, self.repeat, self.cache_dir, self.pool = threads, repeat, cache_dir, pool
         self.actions = [(slot, kind) for slot in range(self.max_loops) for kind in ACTION_KINDS] + [(None, "stop")]
         self.action_space = spaces.Discrete(len(self.actions))
         size = len(FEATURE_NAMES) + self.max_loops * SLOT_FEATURES + 1
@@ -108,6 +115,7 @@ class ScheduleKernelEnv(gym.Env):
         self._measurers: dict[int, Measurer] = {}
         self._defaults: dict[int, float] = {}
         self._starts: dict[int, Schedule] = {}
+        self._successors: dict[int, Schedule] = {}
         self._episodes = 0
         self.index = 0
         self.schedule: Schedule | None = None
@@ -166,12 +174,14 @@ class ScheduleKernelEnv(gym.Env):
         if slot is None or slot >= len(bands):
             return None
         b = bands[slot]
+        if b.mode != "serial" and (kind in ("parallel", "vectorize") or kind.startswith("unroll")):
+            return None  # a loop is marked once: marking it again changes nothing or fails
         if kind == "parallel":
             return [{"primitive": "parallel", "args": {"loop": b.name}}]
         if kind == "vectorize":
             return [{"primitive": "vectorize", "args": {"loop": b.name}}] if b.innermost else None
-        if kind == "unroll4":
-            return [{"primitive": "unroll", "args": {"loop": b.name, "factor": 4}}]
+        if kind.startswith("unroll"):
+            return [{"primitive": "unroll", "args": {"loop": b.name, "factor": int(kind[6:])}}]
         if kind == "interchange":
             return [{"primitive": "interchange", "args": {"a": b.name, "b": b.child}}] if b.child else None
         if kind.startswith("tile"):
@@ -198,17 +208,26 @@ class ScheduleKernelEnv(gym.Env):
     def _compute_mask(self) -> np.ndarray:
         mask = np.zeros(len(self.actions), dtype=bool)
         mask[-1] = True
+        self._successors = {}
         for i, (slot, kind) in enumerate(self.actions[:-1]):
             steps = self._step_of(slot, kind)
             if steps is not None:
-                mask[i] = self._apply(self.schedule.copy(), steps)  # checked: legality is the mask
+                trial = self.schedule.copy()
+                if self._apply(trial, steps):  # checked: legality is the mask
+                    mask[i] = True
+                    self._successors[i] = trial
         return mask
+
+    def successors(self) -> dict[int, Schedule]:
+        """The schedule each legal action (``stop`` aside) leads to from the current one."""
+        return {a: s.copy() for a, s in self._successors.items()}
 
     def _observation(self) -> np.ndarray:
         static = self.kernels[self.index][0]
         program = self.schedule.program(name=static.name)
         obs = list(features(static, self.schedule, program))
         ext = space.extents(program)
+        accesses = loop_features(program)
         bands = self._loops()
         for slot in range(self.max_loops):
             if slot < len(bands):
@@ -216,6 +235,7 @@ class ScheduleKernelEnv(gym.Env):
                 e = ext.get(b.name, 16)
                 obs += [1.0, b.depth, math.log2(max(1, e)), float(b.innermost), float(b.child is not None),
                         float(b.mode == "parallel"), float(b.mode == "vectorized"), float(b.mode == "unrolled")]
+                obs += accesses.get(b.name, [0.0] * len(LOOP_FEATURE_NAMES))
             else:
                 obs += [0.0] * SLOT_FEATURES
         obs.append(self.steps / self.max_steps)
@@ -224,7 +244,7 @@ class ScheduleKernelEnv(gym.Env):
     def measurer(self, index: int) -> Measurer:
         if index not in self._measurers:
             static, scalars, kind = self.kernels[index]
-            m = Measurer(static, scalars, repeat=self.repeat, cache_dir=self.cache_dir)
+            m = Measurer(static, scalars, repeat=self.repeat, cache_dir=self.cache_dir, pool=self.pool)
             default = strategy_schedule(static, kind, threads=self.threads)
             self._defaults[index] = m.time_of(default.program) or float("nan")
             self._measurers[index] = m
@@ -240,6 +260,39 @@ class ScheduleKernelEnv(gym.Env):
         m = self.measurer(self.index)
         t = m.time_of(self.schedule.program(name=static.name))
         return math.log2(self._defaults[self.index] / t) if t else -1.0
+
+    def rollouts(self, policy: Callable[[np.ndarray, np.ndarray, bool], int], index: int, samples: int = 4,
+                 remeasure: int = 7) -> dict[str, Any]:
+        """Schedule kernel ``index`` with ``samples`` episodes of ``policy(observation, mask,
+        deterministic) -> action``: the first deterministic, the others sampled from the
+        policy.  Every final schedule is measured (equal code once); the fastest is then timed
+        again against the default, alternating, ``remeasure`` rounds each, so the figure carries
+        no selection bias.  Returns ``speedup`` (default time over the chosen schedule's),
+        ``deterministic`` (the first episode's measured speedup), ``measurements`` (distinct
+        schedules measured) and ``trace``."""
+        static, _, kind = self.kernels[index]
+        m = self.measurer(index)
+        finals: dict[str, tuple[float, Program, list[dict[str, Any]]]] = {}
+        first = None
+        for episode in range(max(1, int(samples))):
+            obs, _ = self.reset(options={"index": index})
+            done = False
+            while not done:
+                action = policy(obs, self.action_masks(), episode == 0)
+                obs, _, terminated, truncated, _ = self.step(int(action))
+                done = terminated or truncated
+            program = self.schedule.program(name=static.name)
+            t = m.time_of(program)
+            finals.setdefault(str(program), (t if t else math.inf, program, list(self.schedule.trace)))
+            if first is None:
+                first = self._defaults[index] / t if t else 0.0
+        best_t, best, trace = min(finals.values(), key=lambda f: f[0])
+        if best_t == math.inf:  # every schedule it chose was wrong or did not compile
+            return {"speedup": 0.0, "deterministic": first, "measurements": len(finals), "trace": trace}
+        default = strategy_schedule(static, kind, threads=self.threads).program
+        best_s, default_s = m.remeasure([best, default], repeat=remeasure)
+        return {"speedup": default_s / best_s, "deterministic": first, "measurements": len(finals),
+                "trace": trace}
 
     def _final_reward(self, info: dict[str, Any]) -> float:
         self._episodes += 1

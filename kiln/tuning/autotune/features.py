@@ -137,6 +137,50 @@ def features(original: Program, schedule: Any, scheduled: Program) -> list[float
     return [float(stats.get(name, 0.0)) for name in FEATURE_NAMES]
 
 
+LOOP_FEATURE_NAMES = ("log_unit", "log_strided", "log_invariant", "log_other", "reduction")
+"""Per loop of a scheduled program: how the accesses of the statements inside it move along
+its iterator (``log2(1 + count)`` of unit-stride, strided, invariant and non-affine ones),
+and whether it carries a reduction (a statement inside it writes an element that does not
+depend on its iterator) -- what decides whether interchanging, vectorizing or unrolling it
+pays."""
+
+
+def loop_features(scheduled: Program) -> dict[str, list[float]]:
+    """:data:`LOOP_FEATURE_NAMES` for every loop of ``scheduled``, by loop name."""
+    out: dict[str, list[float]] = {}
+
+    def statements(body: tuple) -> list[Store | Reduce]:
+        found: list[Store | Reduce] = []
+        for n in body:
+            if isinstance(n, (Store, Reduce)):
+                found.append(n)
+            elif isinstance(n, Loop):
+                found += statements(n.body)
+            elif isinstance(n, If):
+                found += statements(n.then) + statements(n.orelse)
+        return found
+
+    def visit(body: tuple) -> None:
+        for n in body:
+            if isinstance(n, Loop):
+                counts: Counter[str] = Counter()
+                reduction = 0.0
+                for st in statements(n.body):
+                    for a in (Load(st.buffer, st.indices), *(x for x in walk(st.value) if isinstance(x, Load))):
+                        counts[_stride(a, n.iterator)] += 1
+                    if not any(n.iterator in _names(i) for i in st.indices):
+                        reduction = 1.0
+                out[n.name] = [math.log2(1 + counts[k]) for k in ("unit", "strided", "invariant", "other")]
+                out[n.name].append(reduction)
+                visit(n.body)
+            elif isinstance(n, If):
+                visit(n.then)
+                visit(n.orelse)
+
+    visit(scheduled.body)
+    return out
+
+
 def _names(e: Expr) -> set[str]:
     return {x.name for x in walk(e) if isinstance(x, Var)}
 
@@ -155,4 +199,4 @@ def _stride(access: Load, iterator: str) -> str:
     return "strided"
 
 
-__all__ = ["FEATURE_NAMES", "features"]
+__all__ = ["FEATURE_NAMES", "LOOP_FEATURE_NAMES", "features", "loop_features"]
