@@ -13,8 +13,9 @@ steps first:
   of each step is a labelled example; every schedule it measures passed the isl check
   (only the mask's actions are tried).
 * :func:`clone` fits a MaskablePPO policy's action scores to the measured gain of every
-  action tried (not only to the expert's choice), so that PPO then refines a policy that
-  already prefers the measured-good steps, instead of one that stops;
+  action tried (not only to the expert's choice): the policy starts from the steps measured
+  to pay instead of from stopping.  (PPO run after the fit has so far lowered its results
+  on held-out kernels: ``docs/tuning.md``.)
 * :func:`dagger` runs the fitted policy, labels the states it reaches the same way and fits
   it again (dataset aggregation): the expert's episodes never show what to do after a
   step the expert would not have taken.
