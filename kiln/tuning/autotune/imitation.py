@@ -39,8 +39,9 @@ makes a kernel 16x slower teaches no more than one that makes it 4x slower)."""
 
 @dataclass
 class Demonstration:
-    """One expert episode on kernel ``index``: its labelled steps and the measured speedup
-    of the schedule it ends at over the default."""
+    """One labelled episode on kernel ``index`` (the greedy expert's, or the policy's own in
+    :func:`dagger`): its steps and the measured speedup of the schedule it ends at over the
+    default."""
 
     index: int
     observations: list[np.ndarray]
@@ -121,11 +122,9 @@ def dagger(env: ScheduleKernelEnv, agent: Any, demos: Sequence[Demonstration], *
     return data
 
 
-def demonstrations(env: ScheduleKernelEnv, *, min_gain: float = 1.03,
-                   indices: Sequence[int] | None = None) -> list[Demonstration]:
-    """:func:`greedy_demonstration` on every kernel of ``env`` (or those of ``indices``)."""
-    return [greedy_demonstration(env, i, min_gain=min_gain)
-            for i in (indices if indices is not None else range(len(env.kernels)))]
+def demonstrations(env: ScheduleKernelEnv, *, min_gain: float = 1.03) -> list[Demonstration]:
+    """:func:`greedy_demonstration` on every kernel of ``env``."""
+    return [greedy_demonstration(env, i, min_gain=min_gain) for i in range(len(env.kernels))]
 
 
 def clone(agent: Any, demos: Sequence[Demonstration], *, epochs: int = 1000, lr: float = 1e-3,
